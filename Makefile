@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each creates .venv when it is
+# missing and installs into it only when pyproject.toml is newer than the last install.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The oracle extra (torch, timm) is ~5.5 GB from this machine's local wheel cache.
+EXTRAS_TEST := oracle,dev
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed-base: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[$(EXTRAS_TEST)]'
+	touch $@ $(VENV)/.installed-base
+
+demo: $(VENV)/.installed-base
+	$(BIN)/twinstep certify
+
+test: $(VENV)/.installed-test
+	$(BIN)/ruff check twinstep tests bench
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check twinstep tests bench
+
+bench: $(VENV)/.installed-test
+	$(BIN)/python bench/step.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,69 @@
+"""The two depthwise paths (grouped convolution vs k^2 shifted multiply-adds), forward + both
+VJPs, on MobileNetV4-Conv-M's depthwise layers at a small input — decides the platform default.
+
+    python bench/depthwise.py [--res 64] [--batch 8] [--runs 7] [--precision f32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from common import append_results, block, interleaved_medians  # noqa: E402
+
+from twinstep.ops import conv  # noqa: E402
+from twinstep.ops.precision import get_precision  # noqa: E402
+
+# (channels, kernel, stride, grid divisor): MNv4-Conv-M's start / middle depthwise layers of a
+# few representative rows, the grid given as input resolution // divisor.
+LAYERS = [(48, 3, 1, 4), (192, 5, 2, 4), (80, 3, 1, 8), (480, 5, 2, 8), (160, 3, 1, 16),
+          (640, 3, 1, 16), (160, 5, 1, 16), (960, 5, 2, 16), (256, 5, 1, 32), (1024, 5, 1, 32)]
+
+
+def step_fn(path, precision, shapes):
+    def f(xs, ws):
+        total = 0.0
+        for x, w, (_, _, s, _) in zip(xs, ws, LAYERS, strict=True):
+            y, res = conv.depthwise_forward(x, w, s, precision, path)
+            dx, dw = conv.depthwise_vjp(res, jnp.ones_like(y))
+            total = total + y.sum() + dx.sum() + dw.sum()
+        return total
+
+    return jax.jit(f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--res", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--precision", default="f32", choices=["f32", "bf16"])
+    args = ap.parse_args()
+    precision = get_precision(args.precision)
+    rng = np.random.default_rng(0)
+    xs = [jnp.asarray(rng.standard_normal((args.batch, max(args.res // d, 1),
+                                           max(args.res // d, 1), c)), jnp.float32)
+          for c, _, _, d in LAYERS]
+    ws = [jnp.asarray(rng.standard_normal((c, 1, k, k)), jnp.float32) for c, k, _, _ in LAYERS]
+    fns = {p: step_fn(p, precision, None) for p in ("shift", "grouped")}
+    compiled = {p: (lambda f=f: block(f(xs, ws))) for p, f in fns.items()}
+    med = interleaved_medians(compiled, runs=args.runs)
+    table = ("| path | median s (fwd + input-VJP + weight-VJP, 10 layers) | vs shift |\n"
+             "|---|---|---|\n" + "".join(f"| {p} | {t:.4f} | {t / med['shift']:.2f}x |\n"
+                                        for p, t in med.items()))
+    append_results(f"Depthwise paths, MNv4-Conv-M layers, batch {args.batch} at "
+                   f"{args.res}², {args.precision}",
+                   f"python bench/depthwise.py --res {args.res} --batch {args.batch} "
+                   f"--runs {args.runs} --precision {args.precision}", table,
+                   f"Platform default on {jax.default_backend()}: "
+                   f"{conv.default_depthwise_path()}.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""The command line: help, version, usage errors, and the certification end to end."""
+
+import json
+import subprocess
+import sys
+
+from twinstep import __version__
+from twinstep.cli import main
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "twinstep.cli", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_help_lists_commands(capsys):
+    assert main([]) == 2
+    assert "certify" in capsys.readouterr().out
+
+
+def test_version():
+    r = run("--version")
+    assert r.returncode == 0 and __version__ in r.stdout
+
+
+def test_bad_usage_exits_2():
+    assert run("certify", "--replicas", "0").returncode == 2
+    assert run("no-such-command").returncode == 2
+
+
+def test_certify_end_to_end(tmp_path):
+    r = run("certify", "--replicas", "3", "--json", str(tmp_path / "r.json"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "certified" in r.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["ok"] and all(c["caught"] for c in report["controls"])
+    assert {c["check"] for c in report["checks"]} >= {
+        "vjp vs jax.vjp", "vjp vs finite differences", "sharding", "collectives", "homogeneity",
+        "divisor"}

@@ -1,0 +1,70 @@
+"""The bf16 policy (SPEC §5), read off the StableHLO: every convolution — forward, input-VJP,
+weight-VJP, dense and grouped depthwise — has bf16 operands AND a bf16-typed result; f32 and
+f64 policies have no bf16 at all. (XLA:CPU upcasts bf16 convolutions when it compiles, so the
+compiled CPU HLO cannot show the policy; the StableHLO is where it is checked here.)"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from twinstep.ops import conv
+from twinstep.ops.precision import BF16, F32, F64, get_precision
+
+CONV_OP = re.compile(r"stablehlo\.convolution.*?:\s*\((.*?)\)\s*->\s*(\S+)")
+
+
+def conv_signatures(fn, *args):
+    """[(operand types, result type)] of every convolution in fn's StableHLO."""
+    text = jax.jit(fn).lower(*args).as_text()
+    return [(ops, res) for ops, res in CONV_OP.findall(text)]
+
+
+def conv_and_vjps(x, w, stride, precision, depthwise, path="grouped"):
+    if depthwise:
+        y, res = conv.depthwise_forward(x, w, stride, precision, path)
+        return (y, *conv.depthwise_vjp(res, jnp.ones_like(y)))
+    y, res = conv.conv2d_forward(x, w, stride, precision)
+    return (y, *conv.conv2d_vjp(res, jnp.ones_like(y)))
+
+
+@pytest.mark.parametrize("depthwise", [False, True])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_bf16_convolutions_are_bf16_typed(depthwise, stride):
+    x = jnp.ones((2, 8, 8, 4), jnp.float32)
+    w = jnp.ones((4, 1 if depthwise else 4, 3, 3), jnp.float32)
+    sigs = conv_signatures(lambda x, w: conv_and_vjps(x, w, stride, BF16, depthwise), x, w)
+    assert len(sigs) == 3  # forward, input-VJP, weight-VJP
+    for operands, result in sigs:
+        assert operands.count("bf16") == 2, operands
+        assert "xbf16>" in result, result
+    outs = conv_and_vjps(x, w, stride, BF16, depthwise)
+    assert all(o.dtype == jnp.float32 for o in outs)  # converted back to f32
+
+
+@pytest.mark.parametrize("precision", [F32, F64])
+def test_f32_f64_have_no_bf16(precision):
+    x = jnp.ones((2, 8, 8, 4), precision.dtype)
+    w = jnp.ones((4, 4, 3, 3), precision.dtype)
+    text = jax.jit(lambda x, w: conv_and_vjps(x, w, 2, precision, False)).lower(x, w).as_text()
+    assert "bf16" not in text
+
+
+@pytest.mark.parametrize("depthwise,path", [(False, None), (True, "grouped"), (True, "shift")])
+def test_bf16_results_are_rounded_and_close(depthwise, path, rng):
+    """bf16 results are exactly bf16-representable and within bf16 resolution of f32."""
+    x = jnp.asarray(rng.standard_normal((2, 7, 7, 4)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 1 if depthwise else 4, 3, 3)), jnp.float32)
+    lo = conv_and_vjps(x, w, 2, BF16, depthwise, path or "grouped")
+    hi = conv_and_vjps(x, w, 2, F32, depthwise, path or "grouped")
+    for a, b in zip(lo, hi, strict=True):
+        np.testing.assert_array_equal(a, a.astype(jnp.bfloat16).astype(jnp.float32))
+        err = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+        assert 0 < err < 2e-2  # bf16 has 8 significant bits; 0 would mean f32 ran
+
+
+def test_unknown_precision_is_rejected():
+    with pytest.raises(ValueError, match="unknown precision"):
+        get_precision("fp8")

@@ -1,0 +1,76 @@
+"""Every place where replicas talk.
+
+A `Replicas` context is handed to the ops that need the batch across replicas (the BatchNorm
+sites) and to the step's gradient collective. With ``axis=None`` it is the single device and
+emits no collective at all, so the same op code is the single-device program and, inside
+``jax.shard_map`` over a named mesh axis, the replica program.
+
+Every collective is a MEAN over the replica axis, in the dtype of the statistic it carries
+(f32, or f64 in the exact checks; never bf16 — the callers keep BN and gradients in f32).
+
+``control`` deliberately breaks one sync site, so that the checks that say "equal" can be shown
+to catch the classic data-parallel bugs (see `CONTROLS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import lax
+
+# A control names one classic bug; the tie and the certification must FAIL under each.
+CONTROLS = {
+    "none": "every site synchronised as designed",
+    "unsynced": "BatchNorm uses per-replica statistics (forward and backward)",
+    "shard-gamma": "BN's gamma gradient reads this shard's statistics, not the global ones",
+    "sum": "every replica collective sums where it must average",
+    "wrong-divisor": "each replica divides its loss by the global batch R*N",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicas:
+    """R replicas on mesh axis ``axis`` (``None``: one device, no collective)."""
+
+    axis: str | None = None
+    count: int = 1
+    control: str = "none"
+
+    def __post_init__(self):
+        if self.control not in CONTROLS:
+            raise ValueError(f"unknown control {self.control!r}; choose from {sorted(CONTROLS)}")
+        if self.axis is None and self.count != 1:
+            raise ValueError("a Replicas context without a mesh axis is a single device (count 1)")
+
+    @property
+    def synced(self) -> bool:
+        """Whether collectives are emitted at all (R > 1 on a mesh axis)."""
+        return self.axis is not None and self.count > 1
+
+    @property
+    def bn_synced(self) -> bool:
+        return self.synced and self.control != "unsynced"
+
+    def mean(self, x: jax.Array) -> jax.Array:
+        """The mean over replicas of ``x`` (identity on one device). The one collective kind."""
+        if not self.synced:
+            return x
+        if self.control == "sum":
+            return lax.psum(x, self.axis)
+        return lax.pmean(x, self.axis)
+
+    def bn_mean(self, x: jax.Array) -> jax.Array:
+        """A BatchNorm statistic's mean over replicas; per-replica under the `unsynced` control."""
+        return self.mean(x) if self.bn_synced else x
+
+    def grad_mean(self, grads):
+        """The parameter-gradient collective: each leaf all-reduced by its mean, exactly once."""
+        return jax.tree.map(self.mean, grads)
+
+    def index(self) -> jax.Array | int:
+        """This replica's position on the axis (0 on one device)."""
+        return lax.axis_index(self.axis) if self.synced else 0
+
+
+SINGLE = Replicas()

@@ -1,0 +1,57 @@
+"""The data-parallel layer: a 1-D mesh of R replicas and the replica program over it.
+
+`replica_map` runs a per-replica function inside ``jax.shard_map`` over mesh axis ``AXIS``;
+the collectives that function emits all come from `twinstep.collectives.Replicas`.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from twinstep.collectives import Replicas
+
+AXIS = "r"
+VIRTUAL_CPU_DEVICES = 8
+
+
+def ensure_devices(count: int = VIRTUAL_CPU_DEVICES) -> None:
+    """Ask for at least ``count`` virtual CPU devices. Call before JAX's first operation; later
+    it is a no-op (the number of devices is then fixed, and `mesh` says if it is too few)."""
+    try:
+        jax.config.update("jax_num_cpu_devices", max(count, VIRTUAL_CPU_DEVICES))
+    except RuntimeError:
+        pass
+
+
+def mesh(count: int) -> Mesh:
+    """A 1-D mesh over the first ``count`` devices (Auto axes: unsharded inputs are accepted)."""
+    devices = jax.devices()
+    if count > len(devices):
+        raise RuntimeError(
+            f"{count} replicas need {count} devices; JAX sees {len(devices)}. On CPU, call "
+            f"twinstep.dp.ensure_devices({count}) before any JAX operation, or set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count}.")
+    return Mesh(np.array(devices[:count]), (AXIS,))
+
+
+def replicas(count: int, control: str = "none") -> Replicas:
+    return Replicas(AXIS, count, control)
+
+
+def replica_map(fn, count: int, in_specs, out_specs):
+    """jit(shard_map(fn)) over `mesh(count)`; ``BATCH`` specs shard the leading axis.
+
+    At one replica there is nothing to map: ``Replicas`` emits no collective, so the replica
+    program is the single-device program, jit(fn), and is built as exactly that.
+    """
+    if count == 1:
+        return jax.jit(fn)
+    return jax.jit(jax.shard_map(fn, mesh=mesh(count), in_specs=in_specs, out_specs=out_specs,
+                                 check_vma=True))
+
+
+BATCH = P(AXIS)  # sharded along the batch (leading) axis
+REPLICATED = P()  # the same on every replica

@@ -1,0 +1,170 @@
+"""2-D convolution, dense and depthwise: forward and hand-written VJP side by side.
+
+Activations are NHWC, weights OIHW (timm's shapes: dense [Co, Ci, k, k], depthwise [C, 1, k, k]).
+Padding is symmetric, (k - 1) // 2 on each side (3 for the 7x7 stem), never XLA "SAME".
+
+Output size: Ho = (H + 2p - k) // s + 1. When the stride does not tile the padded input exactly,
+the last ``r = H + 2p - k - (Ho - 1) s`` padded rows are read by no window; both VJPs account for
+them (their input gradient is zero).
+
+Depthwise has two paths with identical results: ``grouped`` (one XLA convolution with
+``feature_group_count = C``) and ``shift`` (k^2 strided slices, multiply-adds). XLA:CPU runs the
+grouped form pathologically slowly, so `default_depthwise_path` picks ``shift`` on CPU and
+``grouped`` elsewhere; bench/ measures both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from twinstep.ops.precision import F32, Precision
+from twinstep.ops.windows import pad_hw, scatter_window, window
+
+
+def conv_padding(k: int) -> int:
+    """Symmetric padding of a k x k convolution: (k - 1) // 2."""
+    return (k - 1) // 2
+
+
+def conv_out_size(h: int, k: int, stride: int) -> int:
+    return (h + 2 * conv_padding(k) - k) // stride + 1
+
+
+def _unread(h: int, k: int, stride: int) -> int:
+    """Padded rows at the high end that no window reads."""
+    return h + 2 * conv_padding(k) - k - (conv_out_size(h, k, stride) - 1) * stride
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["x", "w"],
+                   meta_fields=["stride", "precision", "path"])
+@dataclasses.dataclass(frozen=True)
+class ConvRes:
+    """Residuals of a convolution: its operands in the conv dtype."""
+
+    x: jax.Array  # [N, H, W, Ci]
+    w: jax.Array  # [Co, Ci, k, k] or [C, 1, k, k]
+    stride: int
+    precision: Precision
+    path: str = "dense"
+
+
+def _conv(lhs, rhs, precision, dims, **kw):
+    """One XLA convolution with conv-dtype operands and a conv-dtype-TYPED result."""
+    cd = precision.conv_dtype
+    y = lax.conv_general_dilated(lhs.astype(cd), rhs.astype(cd), dimension_numbers=dims,
+                                 preferred_element_type=cd, **kw)
+    return y.astype(precision.dtype)
+
+
+# ---------------------------------------------------------------------------------- dense conv
+
+
+def conv2d_forward(x, w, stride: int = 1, precision: Precision = F32):
+    """y [N, Ho, Wo, Co] = conv(x [N, H, W, Ci], w [Co, Ci, k, k]); returns (y, ConvRes)."""
+    return _grouped_forward(x, w, stride, precision, groups=1)
+
+
+def conv2d_vjp(res: ConvRes, dy):
+    """(dx [N, H, W, Ci], dw [Co, Ci, k, k]) for the cotangent dy [N, Ho, Wo, Co]."""
+    return _grouped_input_vjp(res, dy, groups=1), _grouped_weight_vjp(res, dy, groups=1)
+
+
+def _grouped_forward(x, w, stride, precision, groups):
+    p = conv_padding(w.shape[2])
+    cd = precision.conv_dtype
+    xc, wc = x.astype(cd), w.astype(cd)
+    y = _conv(xc, wc, precision, ("NHWC", "OIHW", "NHWC"), window_strides=(stride, stride),
+              padding=((p, p), (p, p)), feature_group_count=groups)
+    path = "dense" if groups == 1 else "grouped"
+    return y, ConvRes(xc, wc, stride, precision, path)
+
+
+def _grouped_input_vjp(res: ConvRes, dy, groups):
+    """dx: the stride-dilated cotangent correlated with the spatially flipped kernel."""
+    x, w, s = res.x, res.w, res.stride
+    k = w.shape[2]
+    p = conv_padding(k)
+    pads = [(k - 1 - p, k - 1 - p + _unread(x.shape[d], k, s)) for d in (1, 2)]
+    # Dense: the kernel's O (dim 0) is contracted, I (dim 1) is produced -> "IOHW".
+    # Depthwise: [C, 1, k, k] is its own transpose under feature_group_count = C.
+    dims = ("NHWC", "IOHW" if groups == 1 else "OIHW", "NHWC")
+    return _conv(dy, jnp.flip(w, (2, 3)), res.precision, dims, window_strides=(1, 1),
+                 padding=pads, lhs_dilation=(s, s), feature_group_count=groups)
+
+
+def _grouped_weight_vjp(res: ConvRes, dy, groups):
+    """dw[o, i, a, b] = sum_{n,h,w} dy[n, h, w, o] * x_pad[n, h s + a, w s + b, i].
+
+    A convolution of x (batch <-> feature swapped) with dy as the kernel, dilated by the stride;
+    for depthwise the channels ride in ``batch_group_count``.
+    """
+    x, w, s = res.x, res.w, res.stride
+    k = w.shape[2]
+    p = conv_padding(k)
+    pads = [(p, p - _unread(x.shape[d], k, s)) for d in (1, 2)]  # high side may crop (< 0)
+    return _conv(x, dy, res.precision, ("CHWN", "IHWO", "CNHW"), window_strides=(1, 1),
+                 padding=pads, rhs_dilation=(s, s), batch_group_count=groups)
+
+
+# ------------------------------------------------------------------------------ depthwise conv
+
+
+def default_depthwise_path() -> str:
+    """``shift`` on XLA:CPU (grouped convolutions are pathologically slow there), else
+    ``grouped``."""
+    return "shift" if jax.default_backend() == "cpu" else "grouped"
+
+
+def depthwise_forward(x, w, stride: int = 1, precision: Precision = F32, path: str | None = None):
+    """y [N, Ho, Wo, C] = depthwise conv(x [N, H, W, C], w [C, 1, k, k]); returns (y, ConvRes)."""
+    path = path or default_depthwise_path()
+    if path == "grouped":
+        return _grouped_forward(x, w, stride, precision, groups=x.shape[-1])
+    if path != "shift":
+        raise ValueError(f"unknown depthwise path {path!r}; choose 'shift' or 'grouped'")
+    cd = precision.conv_dtype
+    xc, wc = x.astype(cd), w.astype(cd)
+    k = w.shape[2]
+    xp = pad_hw(xc, conv_padding(k))
+    ho, wo = conv_out_size(x.shape[1], k, stride), conv_out_size(x.shape[2], k, stride)
+    acc = _acc_dtype(precision)
+    y = sum(window(xp, a, b, ho, wo, stride).astype(acc) * wc[:, 0, a, b].astype(acc)
+            for a in range(k) for b in range(k))
+    return _round(y, precision), ConvRes(xc, wc, stride, precision, "shift")
+
+
+def depthwise_vjp(res: ConvRes, dy):
+    """(dx [N, H, W, C], dw [C, 1, k, k]) for the cotangent dy [N, Ho, Wo, C]."""
+    if res.path == "grouped":
+        groups = res.x.shape[-1]
+        return _grouped_input_vjp(res, dy, groups), _grouped_weight_vjp(res, dy, groups)
+    x, w, s, precision = res.x, res.w, res.stride, res.precision
+    k, p = w.shape[2], conv_padding(w.shape[2])
+    n, h, wd, c = x.shape
+    acc = _acc_dtype(precision)
+    dyc = dy.astype(precision.conv_dtype).astype(acc)
+    # dx: each tap scatters dy * w[tap] back onto the positions it read (interior padding = s - 1).
+    hp, wp = h + 2 * p, wd + 2 * p
+    dxp = sum(scatter_window(dyc * w[:, 0, a, b].astype(acc), a, b, hp, wp, s)
+              for a in range(k) for b in range(k))
+    dx = dxp[:, p:p + h, p:p + wd, :]
+    xp = pad_hw(x, p).astype(acc)
+    ho, wo = dy.shape[1:3]
+    dw = jnp.stack([jnp.sum(dyc * window(xp, a, b, ho, wo, s), axis=(0, 1, 2))
+                    for a in range(k) for b in range(k)], axis=-1).reshape(c, 1, k, k)
+    return _round(dx, precision), _round(dw, precision)
+
+
+def _acc_dtype(precision: Precision):
+    """Multiply-adds of the shift path accumulate in f32 from bf16 operands (as a conv does)."""
+    return precision.dtype
+
+
+def _round(y, precision: Precision):
+    """Round to the conv result type, then back: the shift path's bf16-typed result."""
+    return y.astype(precision.conv_dtype).astype(precision.dtype)

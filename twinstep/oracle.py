@@ -1,0 +1,358 @@
+"""Oracles that certify the op library (test and `twinstep certify` only — never the step).
+
+Each op is a `Case`: its product forward (output + residuals) and hand-written VJP, with inputs
+split into differentiable batch tensors (sharded with the batch), masks (sharded, constant) and
+parameters (replicated). Against it:
+
+- `check_vjp`: the hand VJP against ``jax.vjp`` of the same forward (norm-relative, TOL_VJP);
+- `check_fd`: a random directional derivative against central finite differences (TOL_FD);
+- `check_dp_facts`: SPEC §1's four facts under ``jax.shard_map`` on R devices —
+  (1) sharding: replica r's output and input cotangent are shard r of the global op's,
+  (2) collectives: the replica mean of each parameter-gradient node is 1/R of the global node,
+  (3) homogeneity: VJP(s g) = s VJP(g),
+  (4) the divisor (losses): a replica's cotangent is R x its shard of the global cotangent.
+Every "equal" here has negative controls (`twinstep.collectives.CONTROLS`) that must fail it.
+All checks are meant for float64 (``jax_enable_x64``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from twinstep import dp
+from twinstep.collectives import SINGLE, Replicas
+from twinstep.ops import activation, batchnorm, conv, dense, elementwise, loss, pool
+from twinstep.ops.precision import F64
+
+TOL_VJP = 1e-12  # hand VJP vs jax.vjp, norm-relative
+TOL_FD = 1e-6  # directional derivative vs central differences, relative
+FD_STEP = 1e-6
+TOL_DP = 1e-12  # each data-parallel fact, norm-relative
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| (absolute when b = 0)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    den = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (den if den > 0 else 1.0))
+
+
+def worst(pairs) -> float:
+    return max((rel_err(a, b) for a, b in pairs), default=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One op at one shape.
+
+    forward(replicas, batch, masks, params) -> (y, residuals);
+    vjp(residuals, dy) -> (d batch, d params), tuples in the order of the inputs.
+    """
+
+    name: str
+    forward: Callable
+    vjp: Callable
+    batch: tuple
+    masks: tuple = ()
+    params: tuple = ()
+    per_example: bool = True  # output is batch-shaped (False: a scalar loss)
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    op: str
+    check: str
+    err: float
+    tol: float
+    replicas: int = 1
+    control: str = "none"
+
+    @property
+    def ok(self) -> bool:
+        return bool(np.isfinite(self.err) and self.err <= self.tol)
+
+
+# ----------------------------------------------------------------------------------- op cases
+
+
+def _normal(rng, shape, shift=0.0):
+    return jnp.asarray(rng.standard_normal(shape) + shift, jnp.float64)
+
+
+def conv_case(rng, n, h, c_in, c_out, k, stride, depthwise=False, path=None) -> Case:
+    x = _normal(rng, (n, h, h, c_in))
+    if depthwise:
+        w = _normal(rng, (c_in, 1, k, k))
+        path = path or conv.default_depthwise_path()
+
+        def fwd(rep, b, m, p):
+            return conv.depthwise_forward(b[0], p[0], stride, F64, path)
+
+        def vjp(res, dy):
+            dx, dw = conv.depthwise_vjp(res, dy)
+            return (dx,), (dw,)
+
+        name = f"depthwise[{path}] k{k} s{stride}"
+    else:
+        w = _normal(rng, (c_out, c_in, k, k)) / np.sqrt(c_in * k * k)
+
+        def fwd(rep, b, m, p):
+            return conv.conv2d_forward(b[0], p[0], stride, F64)
+
+        def vjp(res, dy):
+            dx, dw = conv.conv2d_vjp(res, dy)
+            return (dx,), (dw,)
+
+        name = f"conv2d k{k} s{stride}"
+    return Case(name, fwd, vjp, (x,), (), (w,))
+
+
+def bn_train_case(rng, n, h, c) -> Case:
+    x = _normal(rng, (n, h, h, c), 0.5)
+    gamma, beta = _normal(rng, (c,), 1.0), _normal(rng, (c,))
+
+    def fwd(rep, b, m, p):
+        y, res, _ = batchnorm.bn_train_forward(b[0], p[0], p[1], rep)
+        return y, res
+
+    def vjp(res, dy):
+        dx, dg, db = batchnorm.bn_train_vjp(res, dy)
+        return (dx,), (dg, db)
+
+    return Case("batchnorm train", fwd, vjp, (x,), (), (gamma, beta))
+
+
+def bn_eval_case(rng, n, h, c) -> Case:
+    x = _normal(rng, (n, h, h, c))
+    gamma, beta = _normal(rng, (c,), 1.0), _normal(rng, (c,))
+    rm, rv = _normal(rng, (c,)), jnp.asarray(rng.uniform(0.5, 2.0, c))
+
+    def fwd(rep, b, m, p):
+        return batchnorm.bn_eval_forward(b[0], p[0], p[1], rm, rv)
+
+    def vjp(res, dy):
+        dx, dg, db = batchnorm.bn_eval_vjp(res, dy)
+        return (dx,), (dg, db)
+
+    return Case("batchnorm eval", fwd, vjp, (x,), (), (gamma, beta))
+
+
+def relu_case(rng, n, h, c) -> Case:
+    x = _normal(rng, (n, h, h, c))
+    return Case("relu", lambda rep, b, m, p: activation.relu_forward(b[0]),
+                lambda res, dy: ((activation.relu_vjp(res, dy),), ()), (x,))
+
+
+def maxpool_case(rng, n, h, c) -> Case:
+    x = _normal(rng, (n, h, h, c))
+    return Case("maxpool 3x3/2", lambda rep, b, m, p: pool.maxpool_forward(b[0]),
+                lambda res, dy: ((pool.maxpool_vjp(res, dy),), ()), (x,))
+
+
+def gap_case(rng, n, h, c) -> Case:
+    x = _normal(rng, (n, h, h, c))
+    return Case("global avg pool", lambda rep, b, m, p: pool.gap_forward(b[0]),
+                lambda res, dy: ((pool.gap_vjp(res, dy),), ()), (x,))
+
+
+def dense_case(rng, n, d, k) -> Case:
+    x = _normal(rng, (n, d))
+    w, b = _normal(rng, (k, d)) / np.sqrt(d), _normal(rng, (k,))
+
+    def vjp(res, dy):
+        dx, dw, db = dense.dense_vjp(res, dy)
+        return (dx,), (dw, db)
+
+    return Case("dense", lambda rep, bt, m, p: dense.dense_forward(bt[0], p[0], p[1]), vjp,
+                (x,), (), (w, b))
+
+
+def add_case(rng, n, h, c) -> Case:
+    a, b = _normal(rng, (n, h, h, c)), _normal(rng, (n, h, h, c))
+    return Case("residual add", lambda rep, bt, m, p: (elementwise.add_forward(*bt), None),
+                lambda res, dy: (elementwise.add_vjp(dy), ()), (a, b))
+
+
+def mask_case(rng, n, h, c, per_example: bool, rate=0.3) -> Case:
+    x = _normal(rng, (n, h, h, c))
+    shape = (n,) if per_example else x.shape
+    mask = jnp.asarray((rng.uniform(size=shape) >= rate) / (1 - rate), jnp.float64)
+    name = "drop-path mask" if per_example else "dropout mask"
+    return Case(name, lambda rep, b, m, p: elementwise.mask_forward(b[0], m[0]),
+                lambda res, dy: ((elementwise.mask_vjp(res, dy),), ()), (x,), (mask,))
+
+
+def soft_targets(rng, n, k):
+    """Soft target rows [n, k] summing to 1 (a mixup of two one-hot labels)."""
+    lam = rng.uniform(0.3, 1.0, (n, 1))
+    a, b = np.eye(k)[rng.integers(0, k, n)], np.eye(k)[rng.integers(0, k, n)]
+    return jnp.asarray(lam * a + (1 - lam) * b)
+
+
+def loss_case(rng, n, k, kind: str) -> Case:
+    z = _normal(rng, (n, k)) * 2.0
+    t = soft_targets(rng, n, k)
+    if kind == "bce":
+        t = loss.bce_targets(t, smoothing=0.1)
+
+    def fwd(rep, b, m, p):
+        value, dlogits = loss_case_fn(kind)(b[0], m[0], rep)
+        return value, dlogits
+
+    return Case(f"loss {kind}", fwd, lambda dz, dy: ((dz * dy,), ()), (z,), (t,),
+                per_example=False)
+
+
+def loss_case_fn(kind: str):
+    """(logits, targets, replicas) -> (loss, dlogits) with the divisor a replica uses: its own
+    batch, or — under the ``wrong-divisor`` control — the global batch R N."""
+
+    def f(z, t, rep: Replicas):
+        n = z.shape[0] * (rep.count if rep.control == "wrong-divisor" else 1)
+        div = loss.loss_divisor(kind, n, z.shape[-1])
+        return (loss.smoothed_ce(z, t, divisor=div) if kind == "ce" else loss.bce(z, t, div))
+
+    return f
+
+
+def all_cases(rng, n=2, h=5, c=3):
+    """Every op at one small shape (the certification summary)."""
+    cases = [conv_case(rng, n, h, c, 4, k, s) for k in (1, 3, 5, 7) for s in (1, 2)]
+    cases += [conv_case(rng, n, h, c, c, k, s, True, path)
+              for path in ("shift", "grouped") for k in (3, 5) for s in (1, 2)]
+    cases += [bn_train_case(rng, n, h, c), bn_eval_case(rng, n, h, c), relu_case(rng, n, h, c),
+              maxpool_case(rng, n, h, c), gap_case(rng, n, h, c), dense_case(rng, n, 6, 4),
+              add_case(rng, n, h, c), mask_case(rng, n, h, c, True),
+              mask_case(rng, n, h, c, False), loss_case(rng, n, 5, "ce"),
+              loss_case(rng, n, 5, "bce")]
+    return cases
+
+
+# ----------------------------------------------------------------------------- single device
+
+
+def _fwd_out(case: Case, batch, params):
+    return case.forward(SINGLE, batch, case.masks, params)[0]
+
+
+def _hand_vjp(case: Case, batch, params, dy):
+    return case.vjp(case.forward(SINGLE, batch, case.masks, params)[1], dy)
+
+
+def _cotangent(rng, y):
+    return jnp.asarray(rng.standard_normal(np.shape(y)), jnp.float64)
+
+
+def check_vjp(case: Case, rng) -> Check:
+    """Hand VJP vs jax.vjp of the same forward, worst norm-relative error over all inputs."""
+    y = jax.jit(lambda b, p: _fwd_out(case, b, p))(case.batch, case.params)
+    dy = _cotangent(rng, y)
+    hand = jax.jit(lambda b, p, g: _hand_vjp(case, b, p, g))(case.batch, case.params, dy)
+    ref = jax.jit(lambda b, p, g: jax.vjp(lambda b_, p_: _fwd_out(case, b_, p_), b, p)[1](g))(
+        case.batch, case.params, dy)
+    err = worst(zip(jax.tree.leaves(hand), jax.tree.leaves(ref), strict=True))
+    return Check(case.name, "vjp vs jax.vjp", err, TOL_VJP)
+
+
+def check_fd(case: Case, rng) -> Check:
+    """<dy, (f(u + h v) - f(u - h v)) / 2h> vs <VJP(dy), v> for a random direction v."""
+    fwd = jax.jit(lambda b, p: _fwd_out(case, b, p))
+    dy = _cotangent(rng, fwd(case.batch, case.params))
+    hand = jax.tree.leaves(jax.jit(lambda b, p, g: _hand_vjp(case, b, p, g))(
+        case.batch, case.params, dy))
+    inputs = (case.batch, case.params)
+    v = jax.tree.map(lambda a: _cotangent(rng, a), inputs)
+    shifted = [jax.tree.map(lambda a, d, s=s: a + s * FD_STEP * d, inputs, v) for s in (1, -1)]
+    plus, minus = (fwd(b, p) for b, p in shifted)
+    fd = float(jnp.sum(dy * (plus - minus)) / (2 * FD_STEP))
+    an = float(sum(jnp.sum(g * d) for g, d in zip(hand, jax.tree.leaves(v), strict=True)))
+    return Check(case.name, "vjp vs finite differences", abs(fd - an) / max(abs(an), 1e-12), TOL_FD)
+
+
+# ------------------------------------------------------------------------ data-parallel facts
+
+
+def shift_shards(x, count: int, shift: float):
+    """Add r * shift to replica r's shard of x, so per-replica means differ by O(shift)."""
+    n = x.shape[0] // count
+    offs = jnp.repeat(jnp.arange(count, dtype=x.dtype) * shift, n)
+    return x + offs.reshape((-1,) + (1,) * (x.ndim - 1))
+
+
+def _replica_run(case: Case, rep: Replicas, batch, masks, params, dy):
+    """Inside shard_map: forward, hand VJP, and the parameter-gradient collective."""
+    y, res = case.forward(rep, batch, masks, params)
+    d_batch, d_params = case.vjp(res, dy)
+    return y, d_batch, rep.grad_mean(d_params)
+
+
+def check_dp_facts(case: Case, count: int, rng, shift: float = 1.0,
+                   control: str = "none") -> list[Check]:
+    """Facts (1)-(3) for a per-example or BN op on ``count`` replicas (global batch = the case's
+    batch, which must divide by ``count``)."""
+    batch = tuple(shift_shards(b, count, shift) for b in case.batch)
+    y, res = case.forward(SINGLE, batch, case.masks, case.params)
+    dy = _cotangent(rng, y)
+    d_batch, d_params = case.vjp(res, dy)
+    rep = dp.replicas(count, control)
+    run = dp.replica_map(lambda b, m, p, g: _replica_run(case, rep, b, m, p, g), count,
+                         (dp.BATCH, dp.BATCH, dp.REPLICATED, dp.BATCH),
+                         (dp.BATCH, dp.BATCH, dp.REPLICATED))
+    ry, rd_batch, rd_params = run(batch, case.masks, case.params, dy)
+    s = 2.5
+    _, sd_batch, sd_params = run(batch, case.masks, case.params, s * dy)
+    checks = [
+        Check(case.name, "sharding", worst([(ry, y), *zip(rd_batch, d_batch, strict=True)]),
+              TOL_DP, count, control),
+        Check(case.name, "homogeneity",
+              worst(zip(jax.tree.leaves((sd_batch, sd_params)),
+                        [s * a for a in jax.tree.leaves((rd_batch, rd_params))], strict=True)),
+              TOL_DP, count, control),
+    ]
+    if case.params:
+        checks.append(Check(case.name, "collectives",
+                            worst((a, b / count) for a, b in zip(rd_params, d_params, strict=True)),
+                            TOL_DP, count, control))
+    return checks
+
+
+def check_divisor(kind: str, count: int, rng, n: int = 2, k: int = 5,
+                  control: str = "none") -> Check:
+    """Fact (4): each replica's loss cotangent is R x its shard of the global cotangent."""
+    z = _normal(rng, (count * n, k)) * 2.0
+    t = soft_targets(rng, count * n, k)
+    f = loss_case_fn(kind)
+    _, dz = f(z, t, SINGLE)
+    rep = dp.replicas(count, control)
+    run = dp.replica_map(lambda a, b: f(a, b, rep)[1], count, (dp.BATCH, dp.BATCH), dp.BATCH)
+    return Check(f"loss {kind}", "divisor", rel_err(run(z, t), count * dz), TOL_DP, count, control)
+
+
+# ------------------------------------------------------------- the variance exchange (control)
+
+
+def naive_moments_exchange(x, rep: Replicas):
+    """The one-round E[x^2] - E[x]^2 exchange — a known-bad formula, kept only as a control:
+    it cancels catastrophically when the mean is large against the spread."""
+    m1 = rep.mean(jnp.mean(x, axis=(0, 1, 2)))
+    m2 = rep.mean(jnp.mean(x * x, axis=(0, 1, 2)))
+    return m1, m2 - m1 * m1
+
+
+def variance_exchange_errors(count: int, rng, offset: float = 1e4, n=4, h=4, c=8):
+    """Relative error of the global variance from f32 shards sharing a large offset, against the
+    float64 variance of the same f32 values: (Chan's two-round form, the naive one-round form)."""
+    x64 = shift_shards(_normal(rng, (count * n, h, h, c), offset), count, 1.0)
+    x32 = x64.astype(jnp.float32)
+    truth = jnp.var(x32.astype(jnp.float64), axis=(0, 1, 2))  # of the values the replicas hold
+    rep = dp.replicas(count)
+    chan = dp.replica_map(lambda x: batchnorm.bn_forward_site(x, rep).var, count, dp.BATCH,
+                          dp.REPLICATED)(x32)
+    naive = dp.replica_map(lambda x: naive_moments_exchange(x, rep)[1], count, dp.BATCH,
+                           dp.REPLICATED)(x32)
+    return rel_err(chan, truth), rel_err(naive, truth)
