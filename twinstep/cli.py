@@ -33,6 +33,70 @@ def cmd_certify(args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_info(args) -> int:
+    """Counts and forward GMACs of a network."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from twinstep import info
+    from twinstep.nets import get_net
+
+    d = info.describe(get_net(args.net), args.res, args.classes)
+    if args.json:
+        print(json.dumps(d))
+        return 0
+    table = Table(title=f"{d['net']} (timm {d['timm']}), K = {d['classes']}, {d['res']}²")
+    table.add_column("")
+    table.add_column("", justify="right")
+    for label, key in (("parameter tensors", "tensors"), ("parameter scalars", "scalars"),
+                       ("BatchNorm layers", "bn_layers"), ("1-D tensors (no weight decay)",
+                                                           "one_d_tensors"),
+                       ("running-stat buffers", "buffers")):
+        table.add_row(label, f"{d[key]:,}")
+    table.add_row("forward GMACs (convs + classifier)", f"{d['gmacs']:.2f}")
+    Console().print(table)
+    return 0
+
+
+def cmd_parity(args) -> int:
+    """One train step and an eval forward against timm + torch autograd, same weights."""
+    if args.precision == "f64":
+        _enable_x64()
+    from rich.console import Console
+
+    from twinstep import parity
+    from twinstep.nets import get_net
+
+    net = get_net(args.net)
+    if args.res % net.INPUT_MULTIPLE:
+        print(f"twinstep parity: --res must be a multiple of {net.INPUT_MULTIPLE}", file=sys.stderr)
+        return 2
+    try:
+        r = parity.run_parity(net, args.res, args.batch, args.precision, args.loss, args.classes,
+                              args.seed)
+    except parity.OracleMissing as e:
+        print(f"twinstep parity: {e}", file=sys.stderr)
+        return 2
+    console = Console()
+    p = r.precision
+    console.print(f"{net.NAME} vs timm {net.TIMM_NAME}: {args.res}², batch {args.batch}, "
+                  f"K = {args.classes}, {p}, loss {r.loss}")
+
+    def line(label, err, bound):
+        mark = "" if bound is None else ("[green]ok[/]" if err <= bound else "[red]FAIL[/]")
+        lim = "reported only" if bound is None else f"bound {bound:.0e}"
+        console.print(f"  {label:<34} {err:.2e}  ({lim}) {mark}")
+
+    line("logits, train mode (rel. max)", r.logits_train_err, parity.LOGITS_BOUND[p])
+    line("logits, eval mode (rel. max)", r.logits_eval_err, parity.LOGITS_BOUND[p])
+    name, worst = r.worst_grad
+    line(f"worst of {len(r.grad_errs)} gradients", worst, parity.GRAD_BOUND[p])
+    console.print(f"    ({name})")
+    line("running buffers after one step", r.buffer_err, parity.BUFFER_BOUND[p])
+    console.print("[green]parity holds[/]" if r.ok else "[red]parity FAILS[/]")
+    return 0 if r.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="twinstep",
@@ -55,6 +119,36 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     c.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     c.set_defaults(func=cmd_certify)
+
+    from twinstep.nets import NETS
+
+    i = sub.add_parser("info", help="tensor, scalar and BN counts and forward GMACs of a net",
+                       description="Counts of a network's parameters (timm's names and shapes), "
+                                   "its BatchNorm layers and 1-D tensors, and its forward "
+                                   "multiply-accumulates at one resolution (batch 1).")
+    i.add_argument("net", choices=sorted(NETS))
+    i.add_argument("--res", type=int, default=224, help="input resolution (default 224)")
+    i.add_argument("--classes", type=int, default=1000, help="classes K (default 1000)")
+    i.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    i.set_defaults(func=cmd_info)
+
+    q = sub.add_parser(
+        "parity", help="the net against timm + torch autograd, same random weights",
+        description="Build timm's model with twinstep's random weights (BN gamma, beta and "
+                    "running statistics randomised too), run one train step and one eval "
+                    "forward in both, and print the max error of the logits, the worst "
+                    "norm-relative error over every parameter gradient, and the running "
+                    "buffers' error. Bounds: logits 1e-9 (f64) / 1e-4 (f32); gradients 1e-8 "
+                    "and buffers 1e-9 in f64 (reported only in f32). Exit 0 within bounds, 1 "
+                    "outside, 2 on bad usage or without the [oracle] extra (torch, timm).")
+    q.add_argument("net", choices=sorted(NETS))
+    q.add_argument("--res", type=int, default=64, help="input resolution (default 64)")
+    q.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
+    q.add_argument("--precision", choices=["f64", "f32"], default="f64")
+    q.add_argument("--loss", choices=["ce", "bce"], default="ce")
+    q.add_argument("--classes", type=int, default=10, help="classes K (default 10)")
+    q.add_argument("--seed", type=int, default=0)
+    q.set_defaults(func=cmd_parity)
     return p
 
 

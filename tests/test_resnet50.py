@@ -1,0 +1,145 @@
+"""ResNet-50 v1.5: timm's names and shapes, the explicit chain against jax.grad, parity with
+timm + torch autograd, the controls that must break parity, and checkpoints in and out."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import timm
+import torch
+
+from twinstep import info, oracle, parity, weights
+from twinstep.nets import layers, resnet50
+from twinstep.ops import loss, pool
+from twinstep.ops.precision import F64
+
+K = 10
+
+
+def test_counts():
+    d = info.describe(resnet50, 224, 1000)
+    assert (d["tensors"], d["scalars"], d["bn_layers"], d["one_d_tensors"], d["buffers"]) == (
+        161, 25_557_032, 53, 107, 106)
+    # convolutions + classifier; timm's table says 4.11 with its profiler's extra elementwise ops
+    assert round(d["gmacs"], 2) == 4.09
+
+
+def test_names_order_shapes_match_timm():
+    model = timm.create_model("resnet50", num_classes=K)
+    theirs = {k: tuple(v.shape) for k, v in model.named_parameters()}
+    ours = resnet50.param_shapes(K)
+    assert list(ours.items()) == list(theirs.items())
+    buffers = {k: tuple(v.shape) for k, v in model.named_buffers() if "running" in k}
+    assert list(layers.buffer_shapes(ours).items()) == list(buffers.items())
+
+
+def model_state(seed, dtype=jnp.float64):
+    key = jax.random.key(seed)
+    shapes = resnet50.param_shapes(K)
+    params = layers.init_params(key, shapes, dtype=dtype)
+    return parity.randomize_bn(jax.random.fold_in(key, 1), params,
+                               layers.init_buffers(shapes, dtype))
+
+
+@pytest.mark.parametrize("res,batch", [(32, 2), (32, 4), (64, 2), (64, 4)])
+def test_explicit_chain_matches_jax_grad(res, batch, rng):
+    params, buffers = model_state(res + batch)
+    x = jnp.asarray(rng.standard_normal((batch, res, res, 3)))
+    t = oracle.soft_targets(rng, batch, K)
+    ctx = layers.Ctx(precision=F64)
+    losses = {"ce": lambda z: loss.smoothed_ce(z, t),
+              "bce": lambda z: loss.bce(z, loss.bce_targets(t, 0.1, 0.2))}
+
+    def hand(p):
+        logits, tape, _ = resnet50.forward(p, buffers, x, ctx)
+        return {k: resnet50.backward(tape, f(logits)[1]) for k, f in losses.items()}
+
+    def autodiff(p):
+        return {k: jax.grad(lambda p, f=f: f(resnet50.forward(p, buffers, x, ctx)[0])[0])(p)
+                for k, f in losses.items()}
+
+    ours, ref = jax.jit(hand)(params), jax.jit(autodiff)(params)
+    for kind in losses:
+        errs = {n: oracle.rel_err(ours[kind][n], ref[kind][n]) for n in params}
+        assert len(errs) == 161
+        worst = max(errs, key=errs.get)
+        assert errs[worst] <= 1e-10, (kind, worst, errs[worst])
+
+
+@pytest.mark.parametrize("res,batch,loss_kind", [(64, 2, "ce"), (64, 2, "bce"), (32, 4, "ce")])
+def test_parity_with_timm_f64(res, batch, loss_kind):
+    r = parity.run_parity(resnet50, res, batch, "f64", loss_kind, K, seed=1)
+    assert len(r.grad_errs) == 161
+    assert r.logits_train_err <= 1e-9 and r.logits_eval_err <= 1e-9
+    assert r.worst_grad[1] <= 1e-8, r.worst_grad
+    assert r.buffer_err <= 1e-9  # running buffers after one step equal timm's
+    assert r.ok
+
+
+def test_parity_with_timm_f32_logits():
+    r = parity.run_parity(resnet50, 64, 4, "f32", "ce", K, seed=2)
+    assert r.logits_train_err <= 1e-4 and r.logits_eval_err <= 1e-4 and r.ok
+
+
+def swap_gammas(params):
+    p = dict(params)
+    a, b = "layer1.0.bn1.weight", "layer1.1.bn1.weight"
+    p[a], p[b] = params[b], params[a]
+    return p
+
+
+def same_padded_maxpool(x):
+    y = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+    return y, pool.MaxPoolRes(x, y)
+
+
+def test_controls_fail_parity(monkeypatch):
+    swapped = parity.run_parity(resnet50, 64, 2, "f64", "ce", K, seed=1, tamper=swap_gammas)
+    assert not swapped.ok and swapped.logits_train_err > 1e-3
+    monkeypatch.setattr(pool, "maxpool_forward", same_padded_maxpool)
+    same = parity.run_parity(resnet50, 64, 2, "f64", "ce", K, seed=1)
+    assert not same.ok and same.logits_train_err > 1e-3
+
+
+def test_zero_init_last_gamma():
+    shapes = resnet50.param_shapes(K)
+    params = layers.init_params(jax.random.key(0), shapes, resnet50.zero_init_bns())
+    assert all(float(jnp.abs(params[f"{b}.weight"]).max()) == 0 for b in resnet50.zero_init_bns())
+    assert len(resnet50.zero_init_bns()) == 16 and float(params["bn1.weight"][0]) == 1.0
+
+
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_checkpoints_round_trip_through_timm(suffix, tmp_path, rng):
+    """A timm checkpoint runs in twinstep, and twinstep's weights load back into timm."""
+    model = timm.create_model("resnet50", num_classes=K).double().eval()
+    path = tmp_path / f"timm{suffix}"
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    if suffix == ".pth":
+        torch.save(model.state_dict(), path)
+    else:
+        weights.save(path, state)
+    params, buffers, k = weights.to_net(resnet50, weights.load(path), np.float64)
+    assert k == K
+    x = rng.standard_normal((2, 64, 64, 3))
+    ours = resnet50.forward(params, buffers, jnp.asarray(x), layers.Ctx(precision=F64,
+                                                                        train=False))[0]
+    with torch.no_grad():
+        theirs = model(torch.tensor(x.transpose(0, 3, 1, 2))).numpy()
+    assert oracle.rel_err(ours, theirs) < 1e-12
+
+    back = tmp_path / f"ours{suffix}"
+    weights.save(back, {**params, **buffers})
+    loaded = (torch.load(back, weights_only=True) if suffix == ".pth" else
+              {k: torch.tensor(v) for k, v in weights.load(back).items()})
+    fresh = timm.create_model("resnet50", num_classes=K).double()
+    missing, unexpected = fresh.load_state_dict(loaded, strict=False)
+    assert unexpected == [] and all(m.endswith("num_batches_tracked") for m in missing)
+    for name, v in fresh.state_dict().items():
+        if name in state:
+            np.testing.assert_array_equal(v.numpy(), state[name])
+
+
+def test_wrong_checkpoint_is_rejected():
+    state = {k: np.zeros(s) for k, s in resnet50.param_shapes(K).items()}
+    with pytest.raises(ValueError, match="running_mean"):
+        weights.to_net(resnet50, state)

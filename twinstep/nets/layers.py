@@ -1,0 +1,136 @@
+"""The compound layers both nets are made of — conv -> BN [-> ReLU] — and what every net shares:
+the context a forward runs in, the running-statistics update, and He / timm initialisation.
+
+Parameters live in a flat dict keyed by timm's state_dict names; a layer is addressed by its
+prefixes (``conv="layer1.0.conv1"``, ``bn="layer1.0.bn1"``). A forward returns (y, tape): the
+tape holds the residuals its VJP consumes, in the same trace (never across a jit boundary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from twinstep.collectives import SINGLE, Replicas
+from twinstep.ops import activation, batchnorm, conv
+from twinstep.ops.precision import F32, Precision
+
+
+@dataclasses.dataclass(frozen=True)
+class Ctx:
+    """What a forward runs in: replicas (BN sync), precision policy, train (batch statistics)
+    or eval (running statistics), and the depthwise path (None: the platform default)."""
+
+    replicas: Replicas = SINGLE
+    precision: Precision = F32
+    train: bool = True
+    depthwise_path: str | None = None
+
+
+class ConvBN(NamedTuple):
+    conv: str  # prefix of the conv weight, e.g. "layer1.0.conv1" -> "layer1.0.conv1.weight"
+    bn: str  # prefix of the BN, e.g. "layer1.0.bn1" -> ".weight", ".bias", ".running_mean", ...
+
+
+class ConvBNTape(NamedTuple):
+    names: ConvBN
+    depthwise: bool
+    train: bool
+    conv: conv.ConvRes
+    bn: batchnorm.BNRes
+    relu: jax.Array | None
+
+
+def conv_bn_forward(params, buffers, names: ConvBN, x, stride: int, ctx: Ctx, relu: bool = True,
+                    depthwise: bool = False, stats: dict | None = None):
+    """x [N, H, W, Ci] -> conv -> BN -> [ReLU] -> y [N, Ho, Wo, Co]; returns (y, tape).
+
+    In train mode the BN's batch statistics are recorded in ``stats[names.bn]``."""
+    w = params[names.conv + ".weight"]
+    if depthwise:
+        y, conv_res = conv.depthwise_forward(x, w, stride, ctx.precision, ctx.depthwise_path)
+    else:
+        y, conv_res = conv.conv2d_forward(x, w, stride, ctx.precision)
+    gamma, beta = params[names.bn + ".weight"], params[names.bn + ".bias"]
+    if ctx.train:
+        y, bn_res, bn_stats = batchnorm.bn_train_forward(y, gamma, beta, ctx.replicas)
+        if stats is not None:
+            stats[names.bn] = bn_stats
+    else:
+        y, bn_res = batchnorm.bn_eval_forward(y, gamma, beta, buffers[names.bn + ".running_mean"],
+                                              buffers[names.bn + ".running_var"])
+    mask = None
+    if relu:
+        y, mask = activation.relu_forward(y)
+    return y, ConvBNTape(names, depthwise, ctx.train, conv_res, bn_res, mask)
+
+
+def conv_bn_vjp(tape: ConvBNTape, dy, grads: dict):
+    """dx of `conv_bn_forward`; the conv and BN parameter gradients are written into ``grads``."""
+    if tape.relu is not None:
+        dy = activation.relu_vjp(tape.relu, dy)
+    bn_vjp = batchnorm.bn_train_vjp if tape.train else batchnorm.bn_eval_vjp
+    dy, grads[tape.names.bn + ".weight"], grads[tape.names.bn + ".bias"] = bn_vjp(tape.bn, dy)
+    conv_vjp = conv.depthwise_vjp if tape.depthwise else conv.conv2d_vjp
+    dx, grads[tape.names.conv + ".weight"] = conv_vjp(tape.conv, dy)
+    return dx
+
+
+def bn_names(param_shapes: dict) -> list[str]:
+    """BN prefixes in network order: every ``X.weight`` that has a 1-D shape and an ``X.bias``
+    but is not the classifier."""
+    return [k[:-len(".weight")] for k, s in param_shapes.items()
+            if k.endswith(".weight") and len(s) == 1]
+
+
+def buffer_shapes(param_shapes: dict) -> dict:
+    """The BN running-statistics buffers, in timm's order: ``X.running_mean``, ``X.running_var``."""
+    out = {}
+    for bn in bn_names(param_shapes):
+        c = param_shapes[bn + ".weight"]
+        out[bn + ".running_mean"], out[bn + ".running_var"] = c, c
+    return out
+
+
+def update_running(buffers: dict, stats: dict, momentum: float = batchnorm.MOMENTUM) -> dict:
+    """Every BN's running statistics from this step's global batch statistics."""
+    out = dict(buffers)
+    for bn, s in stats.items():
+        out[bn + ".running_mean"], out[bn + ".running_var"] = batchnorm.bn_running_update(
+            buffers[bn + ".running_mean"], buffers[bn + ".running_var"], s, momentum)
+    return out
+
+
+def init_params(key, param_shapes: dict, zero_init: tuple = (), dtype=jnp.float32) -> dict:
+    """timm's initialisation: convs He normal (fan_out = Co k k / groups, ReLU gain), BN gamma 1,
+    beta 0 (gamma 0 for the BN prefixes in ``zero_init``), linear layers PyTorch's default
+    uniform(+-1/sqrt(fan_in))."""
+    keys = dict(zip(param_shapes, jax.random.split(key, len(param_shapes)), strict=True))
+    out = {}
+    for name, shape in param_shapes.items():
+        prefix = name.rsplit(".", 1)[0]
+        if len(shape) == 4:  # conv OIHW
+            groups = shape[0] if shape[1] == 1 else 1  # depthwise [C, 1, k, k]
+            fan_out = shape[0] * shape[2] * shape[3] // groups
+            out[name] = jax.random.normal(keys[name], shape, dtype) * np.sqrt(2.0 / fan_out)
+        elif len(shape) == 2:  # linear [K, D]
+            bound = 1.0 / np.sqrt(shape[1])
+            out[name] = jax.random.uniform(keys[name], shape, dtype, -bound, bound)
+        elif name.endswith(".bias") and prefix + ".weight" in param_shapes and \
+                len(param_shapes[prefix + ".weight"]) == 2:  # linear bias
+            bound = 1.0 / np.sqrt(param_shapes[prefix + ".weight"][1])
+            out[name] = jax.random.uniform(keys[name], shape, dtype, -bound, bound)
+        elif name.endswith(".weight"):  # BN gamma
+            out[name] = jnp.zeros(shape, dtype) if prefix in zero_init else jnp.ones(shape, dtype)
+        else:  # BN beta
+            out[name] = jnp.zeros(shape, dtype)
+    return out
+
+
+def init_buffers(param_shapes: dict, dtype=jnp.float32) -> dict:
+    return {k: (jnp.zeros if k.endswith("mean") else jnp.ones)(s, dtype)
+            for k, s in buffer_shapes(param_shapes).items()}

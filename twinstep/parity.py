@@ -1,0 +1,186 @@
+"""Parity against timm (the external oracle): the same network, the same random weights, in
+PyTorch — logits in train and eval mode, every parameter gradient against torch autograd, and
+the running buffers after one step. Needs the ``[oracle]`` extra (torch, timm); the product
+never imports this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from twinstep.nets import layers
+from twinstep.ops import loss as losses
+from twinstep.ops.precision import get_precision
+
+# Bounds: logits relative to max |logit|; gradients and buffers norm-relative per tensor.
+# In f32 only the logits are judged: two f32 implementations that sum in different orders
+# differ in gradients by what BN's few-row statistics amplify (seen: 4e-2 at 64², batch 4),
+# which says nothing about the network; the f64 run is the gradient check.
+LOGITS_BOUND = {"f64": 1e-9, "f32": 1e-4}
+GRAD_BOUND = {"f64": 1e-8, "f32": None}
+BUFFER_BOUND = {"f64": 1e-9, "f32": None}
+
+
+class OracleMissing(RuntimeError):
+    pass
+
+
+def _torch():
+    try:
+        import timm
+        import torch
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise OracleMissing(
+            "parity needs the [oracle] extra (torch, timm): pip install -e '.[oracle]' "
+            "(or run `make test`, which installs it)") from e
+    return torch, timm
+
+
+def randomize_bn(key, params: dict, buffers: dict) -> tuple[dict, dict]:
+    """BN gamma ~ U(0.5, 1.5), beta ~ N(0, 0.2), running mean ~ N(0, 0.2), running var ~
+    U(0.5, 2): a parity check whose BNs are the identity at init would miss swapped layers."""
+    params, buffers = dict(params), dict(buffers)
+    bns = layers.bn_names({k: v.shape for k, v in params.items()})
+    keys = jax.random.split(key, 4 * len(bns))
+    for i, bn in enumerate(bns):
+        k = keys[4 * i: 4 * i + 4]
+        c, dt = params[bn + ".weight"].shape, params[bn + ".weight"].dtype
+        params[bn + ".weight"] = jax.random.uniform(k[0], c, dt, 0.5, 1.5)
+        params[bn + ".bias"] = 0.2 * jax.random.normal(k[1], c, dt)
+        buffers[bn + ".running_mean"] = 0.2 * jax.random.normal(k[2], c, dt)
+        buffers[bn + ".running_var"] = jax.random.uniform(k[3], c, dt, 0.5, 2.0)
+    return params, buffers
+
+
+def to_timm(net, params: dict, buffers: dict, num_classes: int, dtype="float64", **timm_kwargs):
+    """timm's model of ``net`` with our parameters and running statistics loaded (strict)."""
+    torch, timm = _torch()
+    model = timm.create_model(net.TIMM_NAME, pretrained=False, num_classes=num_classes,
+                              **timm_kwargs)
+    model = model.to(getattr(torch, dtype))
+    state = model.state_dict()
+    ours = {**params, **buffers}
+    for name in state:
+        if name.endswith("num_batches_tracked"):
+            continue
+        if name not in ours:
+            raise KeyError(f"timm's {net.TIMM_NAME} has {name}, twinstep's {net.NAME} does not")
+        state[name] = torch.tensor(np.asarray(ours[name]), dtype=state[name].dtype)
+    extra = set(ours) - set(state)
+    if extra:
+        raise KeyError(f"twinstep's {net.NAME} has tensors timm's lacks: {sorted(extra)[:5]}")
+    model.load_state_dict(state)
+    return model
+
+
+@dataclasses.dataclass
+class ParityReport:
+    net: str
+    precision: str
+    loss: str
+    logits_train_err: float
+    logits_eval_err: float
+    grad_errs: dict  # name -> norm-relative error, timm order
+    buffer_err: float
+
+    @property
+    def worst_grad(self) -> tuple[str, float]:
+        name = max(self.grad_errs, key=self.grad_errs.get)
+        return name, self.grad_errs[name]
+
+    @property
+    def ok(self) -> bool:
+        p = self.precision
+
+        def within(err, bound):
+            return bound is None or err <= bound
+
+        return (within(self.logits_train_err, LOGITS_BOUND[p])
+                and within(self.logits_eval_err, LOGITS_BOUND[p])
+                and within(self.worst_grad[1], GRAD_BOUND[p])
+                and within(self.buffer_err, BUFFER_BOUND[p]))
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def loss_and_targets(kind: str, labels, num_classes: int):
+    """(our loss fn z -> (value, dz), timm's criterion, torch targets) for integer labels."""
+    torch, _ = _torch()
+    from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy
+
+    onehot = jnp.asarray(np.eye(num_classes)[labels])
+    if kind == "ce":
+        return (lambda z: losses.smoothed_ce(z, onehot.astype(z.dtype)),
+                LabelSmoothingCrossEntropy(losses.LABEL_SMOOTHING), torch.tensor(labels))
+    t = losses.bce_targets(onehot, 0.1)  # timm's BinaryCrossEntropy default smoothing
+    return (lambda z: losses.bce(z, t.astype(z.dtype)), BinaryCrossEntropy(smoothing=0.1),
+            torch.tensor(labels))
+
+
+def run_parity(net, res: int = 64, batch: int = 2, precision: str = "f64", loss: str = "ce",
+               num_classes: int = 10, seed: int = 0, params=None, buffers=None,
+               tamper=None) -> ParityReport:
+    """One train step and one eval forward of ``net`` in twinstep and in timm, same weights.
+
+    ``tamper(params) -> params`` changes twinstep's copy only: a negative control.
+
+    At 32² and batch 2, ResNet-50's layer4 runs at 1x1 with 2 rows per BN: each such BN maps its
+    two values to +-1 up to eps, amplifying the relative error of their difference; nine in a
+    row turn 1e-16 into ~1e-7 in both implementations. Parity is checked where the nets are
+    well conditioned (64², or batch >= 4)."""
+    torch, _ = _torch()
+    prec = get_precision(precision)
+    if prec.name not in LOGITS_BOUND:
+        raise ValueError(f"parity runs in f64 or f32, not {prec.name}")
+    if prec.name == "f64" and not jax.config.jax_enable_x64:
+        raise RuntimeError("f64 parity needs jax_enable_x64")
+    key = jax.random.key(seed)
+    shapes = net.param_shapes(num_classes)
+    if params is None:
+        params = layers.init_params(key, shapes, dtype=prec.dtype)
+        buffers = layers.init_buffers(shapes, prec.dtype)
+        params, buffers = randomize_bn(jax.random.fold_in(key, 1), params, buffers)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, res, res, 3))
+    labels = rng.integers(0, num_classes, batch)
+    our_loss, criterion, tlabels = loss_and_targets(loss, labels, num_classes)
+
+    ours = tamper(params) if tamper else params
+
+    def train_step(p, b, x):
+        logits, tape, stats = net.forward(p, b, x, layers.Ctx(precision=prec))
+        _, dz = our_loss(logits)
+        return logits, net.backward(tape, dz), layers.update_running(b, stats)
+
+    xj = jnp.asarray(x, prec.dtype)
+    logits, grads, new_buffers = jax.jit(train_step)(ours, buffers, xj)
+    eval_logits = jax.jit(lambda p, b, x: net.forward(p, b, x, layers.Ctx(
+        precision=prec, train=False))[0])(ours, buffers, xj)
+
+    tdtype = "float64" if prec.name == "f64" else "float32"
+    model = to_timm(net, params, buffers, num_classes, tdtype)
+    tx = torch.tensor(x.transpose(0, 3, 1, 2), dtype=getattr(torch, tdtype))
+    model.eval()  # first: the train step below moves the running statistics
+    with torch.no_grad():
+        teval = model(tx).numpy()
+    model.train()
+    tlogits = model(tx)
+    criterion(tlogits, tlabels).backward()
+    tgrads = {k: v.grad.numpy() for k, v in model.named_parameters()}
+    tbuf = {k: v.numpy() for k, v in model.state_dict().items() if "running" in k}
+
+    def logit_err(a, b):
+        return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
+
+    return ParityReport(
+        net.NAME, prec.name, loss,
+        logit_err(logits, tlogits.detach().numpy()), logit_err(eval_logits, teval),
+        {k: _rel(grads[k], tgrads[k]) for k in tgrads},
+        max(_rel(new_buffers[k], tbuf[k]) for k in tbuf))
