@@ -5,8 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The oracle extra (torch, timm) is ~5.5 GB from this machine's local wheel cache.
 EXTRAS_TEST := oracle,dev
+DEMO_NETS := resnet50
 
-.PHONY: demo test lint bench clean
+.PHONY: demo certify test lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,7 +21,13 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[$(EXTRAS_TEST)]'
 	touch $@ $(VENV)/.installed-base
 
+# The main job: the data-parallel step tied to the single-device step, both nets, both losses.
 demo: $(VENV)/.installed-base
+	@for net in $(DEMO_NETS); do for loss in ce bce; do \
+		echo "== twinstep tie $$net --loss $$loss"; \
+		$(BIN)/twinstep tie $$net --loss $$loss | tail -n 1 || exit 1; done; done
+
+certify: $(VENV)/.installed-base
 	$(BIN)/twinstep certify
 
 test: $(VENV)/.installed-test

@@ -37,7 +37,7 @@ def model_state(seed, dtype=jnp.float64):
     key = jax.random.key(seed)
     shapes = resnet50.param_shapes(K)
     params = layers.init_params(key, shapes, dtype=dtype)
-    return parity.randomize_bn(jax.random.fold_in(key, 1), params,
+    return layers.randomize_bn(jax.random.fold_in(key, 1), params,
                                layers.init_buffers(shapes, dtype))
 
 

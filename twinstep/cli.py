@@ -68,9 +68,6 @@ def cmd_parity(args) -> int:
     from twinstep.nets import get_net
 
     net = get_net(args.net)
-    if args.res % net.INPUT_MULTIPLE:
-        print(f"twinstep parity: --res must be a multiple of {net.INPUT_MULTIPLE}", file=sys.stderr)
-        return 2
     try:
         r = parity.run_parity(net, args.res, args.batch, args.precision, args.loss, args.classes,
                               args.seed)
@@ -95,6 +92,26 @@ def cmd_parity(args) -> int:
     line("running buffers after one step", r.buffer_err, parity.BUFFER_BOUND[p])
     console.print("[green]parity holds[/]" if r.ok else "[red]parity FAILS[/]")
     return 0 if r.ok else 1
+
+
+def cmd_tie(args) -> int:
+    """The R-replica step against the single-device step at R*N, parameter by parameter."""
+    if args.precision == "f64":
+        _enable_x64()
+    from twinstep import dp
+
+    dp.ensure_devices(args.replicas)
+    from twinstep import tie
+
+    cfg = tie.TieConfig(args.net, args.replicas, args.batch, args.res, args.classes, args.loss,
+                        args.precision, args.seed, args.shift, args.control)
+    t0 = time.perf_counter()
+    report = tie.run_tie(cfg)
+    tie.print_report(report, show_all=args.all, seconds=time.perf_counter() - t0)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+    return 0 if report.ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,6 +166,42 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--classes", type=int, default=10, help="classes K (default 10)")
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(func=cmd_parity)
+
+    from twinstep.collectives import CONTROLS
+
+    t = sub.add_parser(
+        "tie", help="the R-replica sync-BN step against the single-device step at R*N",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run the data-parallel step (R replicas of batch N, every BatchNorm "
+                    "synchronised, every gradient all-reduced by its mean) and the "
+                    "single-device step on the concatenated batch R*N, from the same "
+                    "parameters, and compare every parameter gradient, every BN site's "
+                    "global statistics, the logits, the loss and the running statistics.\n\n"
+                    "Bounds: f64 — parameters 1e-10, BN statistics 1e-12 (relative). f32 — "
+                    "max(1e-4, 10 x SENSITIVITY) per tensor, SENSITIVITY being what f32 "
+                    "arithmetic alone moves the single-device value by (a 1e-6 input "
+                    "perturbation or a reordered batch). bf16 — conv weight gradients "
+                    "elementwise against SPEC §5's partial-sum rounding bound; the rest as "
+                    "f32.\n\nExit 0 when everything ties, 1 when anything fails, 2 on bad "
+                    "usage. Controls inject a classic bug; each must make the tie fail:\n"
+                    + "\n".join(f"  {k:<14} {v}" for k, v in CONTROLS.items()))
+    t.add_argument("net", choices=sorted(NETS))
+    t.add_argument("--replicas", type=int, default=4, metavar="R", help="replicas (default 4)")
+    t.add_argument("--batch", type=int, default=2, metavar="N",
+                   help="examples per replica (default 2)")
+    t.add_argument("--res", type=int, default=32, help="input resolution (default 32)")
+    t.add_argument("--classes", type=int, default=10, help="classes K (default 10)")
+    t.add_argument("--loss", choices=["ce", "bce"], default="ce")
+    t.add_argument("--precision", choices=["f64", "f32", "bf16"], default="f64")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--shift", action=argparse.BooleanOptionalAction, default=True,
+                   help="offset replica r's inputs by r, so Chan's correction is O(1) "
+                        "(default on)")
+    t.add_argument("--control", choices=sorted(CONTROLS), default="none")
+    t.add_argument("--all", action="store_true", help="one row per parameter (default: the "
+                                                      "worst 10 and counts)")
+    t.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    t.set_defaults(func=cmd_tie)
     return p
 
 
@@ -158,10 +211,17 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if hasattr(args, "replicas") and isinstance(args.replicas, list):
-        bad = [r for r in args.replicas if r < 1]
-        if bad:
-            parser.error(f"--replicas must be >= 1, got {bad}")
+    for flag in ("replicas", "batch", "res", "classes"):
+        values = getattr(args, flag, None)
+        values = values if isinstance(values, list) else [values]
+        if any(v is not None and v < 1 for v in values):
+            parser.error(f"--{flag} must be >= 1")
+    if args.command in ("tie", "parity"):
+        from twinstep.nets import get_net
+
+        multiple = get_net(args.net).INPUT_MULTIPLE
+        if args.res % multiple:
+            parser.error(f"--res must be a multiple of {multiple} for {args.net}")
     return args.func(args)
 
 

@@ -7,6 +7,7 @@ the collectives that function emits all come from `twinstep.collectives.Replicas
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -55,3 +56,10 @@ def replica_map(fn, count: int, in_specs, out_specs):
 
 BATCH = P(AXIS)  # sharded along the batch (leading) axis
 REPLICATED = P()  # the same on every replica
+
+
+def shift_shards(x, count: int, shift: float):
+    """Add r * shift to replica r's shard of x, so per-replica means differ by O(shift)."""
+    n = x.shape[0] // count
+    offs = jnp.repeat(jnp.arange(count, dtype=x.dtype) * shift, n)
+    return x + offs.reshape((-1,) + (1,) * (x.ndim - 1))

@@ -277,13 +277,6 @@ def check_fd(case: Case, rng) -> Check:
 # ------------------------------------------------------------------------ data-parallel facts
 
 
-def shift_shards(x, count: int, shift: float):
-    """Add r * shift to replica r's shard of x, so per-replica means differ by O(shift)."""
-    n = x.shape[0] // count
-    offs = jnp.repeat(jnp.arange(count, dtype=x.dtype) * shift, n)
-    return x + offs.reshape((-1,) + (1,) * (x.ndim - 1))
-
-
 def _replica_run(case: Case, rep: Replicas, batch, masks, params, dy):
     """Inside shard_map: forward, hand VJP, and the parameter-gradient collective."""
     y, res = case.forward(rep, batch, masks, params)
@@ -295,7 +288,7 @@ def check_dp_facts(case: Case, count: int, rng, shift: float = 1.0,
                    control: str = "none") -> list[Check]:
     """Facts (1)-(3) for a per-example or BN op on ``count`` replicas (global batch = the case's
     batch, which must divide by ``count``)."""
-    batch = tuple(shift_shards(b, count, shift) for b in case.batch)
+    batch = tuple(dp.shift_shards(b, count, shift) for b in case.batch)
     y, res = case.forward(SINGLE, batch, case.masks, case.params)
     dy = _cotangent(rng, y)
     d_batch, d_params = case.vjp(res, dy)
@@ -347,7 +340,7 @@ def naive_moments_exchange(x, rep: Replicas):
 def variance_exchange_errors(count: int, rng, offset: float = 1e4, n=4, h=4, c=8):
     """Relative error of the global variance from f32 shards sharing a large offset, against the
     float64 variance of the same f32 values: (Chan's two-round form, the naive one-round form)."""
-    x64 = shift_shards(_normal(rng, (count * n, h, h, c), offset), count, 1.0)
+    x64 = dp.shift_shards(_normal(rng, (count * n, h, h, c), offset), count, 1.0)
     x32 = x64.astype(jnp.float32)
     truth = jnp.var(x32.astype(jnp.float64), axis=(0, 1, 2))  # of the values the replicas hold
     rep = dp.replicas(count)

@@ -40,22 +40,6 @@ def _torch():
     return torch, timm
 
 
-def randomize_bn(key, params: dict, buffers: dict) -> tuple[dict, dict]:
-    """BN gamma ~ U(0.5, 1.5), beta ~ N(0, 0.2), running mean ~ N(0, 0.2), running var ~
-    U(0.5, 2): a parity check whose BNs are the identity at init would miss swapped layers."""
-    params, buffers = dict(params), dict(buffers)
-    bns = layers.bn_names({k: v.shape for k, v in params.items()})
-    keys = jax.random.split(key, 4 * len(bns))
-    for i, bn in enumerate(bns):
-        k = keys[4 * i: 4 * i + 4]
-        c, dt = params[bn + ".weight"].shape, params[bn + ".weight"].dtype
-        params[bn + ".weight"] = jax.random.uniform(k[0], c, dt, 0.5, 1.5)
-        params[bn + ".bias"] = 0.2 * jax.random.normal(k[1], c, dt)
-        buffers[bn + ".running_mean"] = 0.2 * jax.random.normal(k[2], c, dt)
-        buffers[bn + ".running_var"] = jax.random.uniform(k[3], c, dt, 0.5, 2.0)
-    return params, buffers
-
-
 def to_timm(net, params: dict, buffers: dict, num_classes: int, dtype="float64", **timm_kwargs):
     """timm's model of ``net`` with our parameters and running statistics loaded (strict)."""
     torch, timm = _torch()
@@ -146,7 +130,7 @@ def run_parity(net, res: int = 64, batch: int = 2, precision: str = "f64", loss:
     if params is None:
         params = layers.init_params(key, shapes, dtype=prec.dtype)
         buffers = layers.init_buffers(shapes, prec.dtype)
-        params, buffers = randomize_bn(jax.random.fold_in(key, 1), params, buffers)
+        params, buffers = layers.randomize_bn(jax.random.fold_in(key, 1), params, buffers)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, res, res, 3))
     labels = rng.integers(0, num_classes, batch)

@@ -134,3 +134,19 @@ def init_params(key, param_shapes: dict, zero_init: tuple = (), dtype=jnp.float3
 def init_buffers(param_shapes: dict, dtype=jnp.float32) -> dict:
     return {k: (jnp.zeros if k.endswith("mean") else jnp.ones)(s, dtype)
             for k, s in buffer_shapes(param_shapes).items()}
+
+
+def randomize_bn(key, params: dict, buffers: dict) -> tuple[dict, dict]:
+    """BN gamma ~ U(0.5, 1.5), beta ~ N(0, 0.2), running mean ~ N(0, 0.2), running var ~
+    U(0.5, 2): a parity check whose BNs are the identity at init would miss swapped layers."""
+    params, buffers = dict(params), dict(buffers)
+    bns = bn_names({k: v.shape for k, v in params.items()})
+    keys = jax.random.split(key, 4 * len(bns))
+    for i, bn in enumerate(bns):
+        k = keys[4 * i: 4 * i + 4]
+        c, dt = params[bn + ".weight"].shape, params[bn + ".weight"].dtype
+        params[bn + ".weight"] = jax.random.uniform(k[0], c, dt, 0.5, 1.5)
+        params[bn + ".bias"] = 0.2 * jax.random.normal(k[1], c, dt)
+        buffers[bn + ".running_mean"] = 0.2 * jax.random.normal(k[2], c, dt)
+        buffers[bn + ".running_var"] = jax.random.uniform(k[3], c, dt, 0.5, 2.0)
+    return params, buffers

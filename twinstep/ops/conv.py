@@ -53,11 +53,11 @@ class ConvRes:
     path: str = "dense"
 
 
-def _conv(lhs, rhs, precision, dims, **kw):
+def _conv(lhs, rhs, precision, dims, result_dtype=None, **kw):
     """One XLA convolution with conv-dtype operands and a conv-dtype-TYPED result."""
     cd = precision.conv_dtype
     y = lax.conv_general_dilated(lhs.astype(cd), rhs.astype(cd), dimension_numbers=dims,
-                                 preferred_element_type=cd, **kw)
+                                 preferred_element_type=result_dtype or cd, **kw)
     return y.astype(precision.dtype)
 
 
@@ -107,8 +107,9 @@ def _grouped_weight_vjp(res: ConvRes, dy, groups):
     k = w.shape[2]
     p = conv_padding(k)
     pads = [(p, p - _unread(x.shape[d], k, s)) for d in (1, 2)]  # high side may crop (< 0)
-    return _conv(x, dy, res.precision, ("CHWN", "IHWO", "CNHW"), window_strides=(1, 1),
-                 padding=pads, rhs_dilation=(s, s), batch_group_count=groups)
+    return _conv(x, dy, res.precision, ("CHWN", "IHWO", "CNHW"),
+                 res.precision.weight_grad_dtype, window_strides=(1, 1), padding=pads,
+                 rhs_dilation=(s, s), batch_group_count=groups)
 
 
 # ------------------------------------------------------------------------------ depthwise conv
@@ -157,7 +158,7 @@ def depthwise_vjp(res: ConvRes, dy):
     ho, wo = dy.shape[1:3]
     dw = jnp.stack([jnp.sum(dyc * window(xp, a, b, ho, wo, s), axis=(0, 1, 2))
                     for a in range(k) for b in range(k)], axis=-1).reshape(c, 1, k, k)
-    return _round(dx, precision), _round(dw, precision)
+    return _round(dx, precision), (_round(dw, precision) if precision.round_weight_grads else dw)
 
 
 def _acc_dtype(precision: Precision):

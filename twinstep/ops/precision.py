@@ -18,6 +18,9 @@ import jax.numpy as jnp
 @dataclasses.dataclass(frozen=True)
 class Precision:
     name: str
+    # False only to MEASURE the bf16 boundary: weight-gradient convolutions then keep their f32
+    # partial sums unrounded (the tie's bound needs them); the product always rounds.
+    round_weight_grads: bool = True
 
     def __post_init__(self):
         if self.name not in ("f64", "f32", "bf16"):
@@ -32,6 +35,11 @@ class Precision:
     def conv_dtype(self):
         """Operands and result type of every convolution."""
         return jnp.bfloat16 if self.name == "bf16" else self.dtype
+
+    @property
+    def weight_grad_dtype(self):
+        """Result type of the weight-gradient convolutions."""
+        return self.conv_dtype if self.round_weight_grads else self.dtype
 
 
 F64, F32, BF16 = Precision("f64"), Precision("f32"), Precision("bf16")

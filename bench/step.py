@@ -1,0 +1,86 @@
+"""One training step (forward + backward to every parameter gradient, f32, CPU) of the explicit
+chain against two peers timed in the same run: ``jax.grad`` of the same forward, and timm's
+model with torch autograd. Medians of interleaved runs; ratios appended to bench/RESULTS.md.
+
+    python bench/step.py [--nets resnet50 mnv4] [--res 32 64] [--batch 8] [--runs 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from common import append_results, block, interleaved_medians  # noqa: E402
+
+from twinstep import parity  # noqa: E402
+from twinstep.nets import NETS, layers  # noqa: E402
+from twinstep.ops import loss  # noqa: E402
+
+K = 10
+
+
+def peers(net, res, batch, depthwise_path=None):
+    shapes = net.param_shapes(K)
+    params = layers.init_params(jax.random.key(0), shapes)
+    buffers = layers.init_buffers(shapes)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, res, res, 3)).astype(np.float32)
+    labels = rng.integers(0, K, batch)
+    t = jnp.asarray(np.eye(K, dtype=np.float32)[labels])
+    xj = jnp.asarray(x)
+    ctx = layers.Ctx(depthwise_path=depthwise_path)
+
+    @jax.jit
+    def explicit(p):
+        logits, tape, _ = net.forward(p, buffers, xj, ctx)
+        return net.backward(tape, loss.smoothed_ce(logits, t)[1])
+
+    @jax.jit
+    def autodiff(p):
+        return jax.grad(lambda p: loss.smoothed_ce(net.forward(p, buffers, xj, ctx)[0], t)[0])(p)
+
+    model = parity.to_timm(net, params, buffers, K, "float32").train()
+    crit = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    tx, tl = torch.tensor(x.transpose(0, 3, 1, 2)), torch.tensor(labels)
+
+    def torch_step():
+        model.zero_grad(set_to_none=True)
+        crit(model(tx), tl).backward()
+
+    return {"explicit chain": lambda: block(explicit(params)),
+            "jax.grad": lambda: block(autodiff(params)),
+            "timm + torch autograd": torch_step}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nets", nargs="+", default=sorted(NETS), choices=sorted(NETS))
+    ap.add_argument("--res", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--runs", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rows = []
+    for name in args.nets:
+        for res in args.res:
+            med = interleaved_medians(peers(NETS[name], res, args.batch), runs=args.runs)
+            e = med["explicit chain"]
+            rows.append(f"| {name} | {res}² | {e * 1e3:.0f} | {med['jax.grad'] * 1e3:.0f} | "
+                        f"{med['timm + torch autograd'] * 1e3:.0f} | "
+                        f"{e / med['jax.grad']:.2f} | {e / med['timm + torch autograd']:.2f} |")
+            print(rows[-1], flush=True)
+    table = ("| net | res | explicit ms | jax.grad ms | timm+torch ms | explicit / jax.grad | "
+             "explicit / torch |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+    append_results(f"Train step (fwd + bwd), f32, batch {args.batch}",
+                   "python bench/step.py " + " ".join(sys.argv[1:]), table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""The tie (SPEC §1): the R-replica step against the single-device step at R·N, parameter by
+parameter, BN site by BN site.
+
+Both programs are `twinstep.step.grad_step`: once jitted on the whole batch with no replicas,
+once inside ``jax.shard_map`` on R devices with every sync site live. The same parameters (BN
+gamma, beta and running statistics randomised), the same global batch — its replica shards
+shifted by different constants so that Chan's correction term is O(1) — and the same soft
+targets go into both.
+
+Bounds, per tensor: max(FLOOR, 10 x SENSITIVITY), FLOOR being 1e-10 for parameters and 1e-12
+for BN statistics in f64, 1e-4 in f32; SENSITIVITY is what arithmetic alone moves the
+single-device value by (`noise_floor`). In f64 the floors decide almost everywhere; SENSITIVITY
+takes over only where the network is ill-conditioned (ResNet-50 at 32² with R N = 4: layer4's
+BNs reduce 4 rows, and reversing the batch moves the single device's own layer4.2.bn3 variance
+by 1.8e-12). bf16 — non-conv tensors as f32; each conv weight gradient against SPEC §5's
+bound (1/R)|sum_r rnd(S_r) - rnd(sum_r S_r)|, computed from the replicas' unrounded partial sums
+S_r, plus the f32 slack described at `bf16_bound`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from twinstep import dp, step
+from twinstep.collectives import SINGLE
+from twinstep.nets import layers
+from twinstep.ops import loss as losses
+from twinstep.ops.precision import Precision, get_precision
+
+F64_PARAM_BOUND = 1e-10
+F64_STAT_BOUND = 1e-12
+F32_FLOOR = 1e-4
+FLOORS = {"f64": (F64_PARAM_BOUND, F64_STAT_BOUND), "f32": (F32_FLOOR, F32_FLOOR),
+          "bf16": (F32_FLOOR, F32_FLOOR)}  # (parameters, BN statistics)
+SENSITIVITY_FACTOR = 10
+PERTURBATION_F32 = 1e-6  # ~8 f32 ulps; other precisions perturb by the same number of ulps
+
+
+@dataclasses.dataclass(frozen=True)
+class TieConfig:
+    net: str = "resnet50"
+    replicas: int = 4
+    batch: int = 2  # per replica
+    res: int = 32
+    classes: int = 10
+    loss: str = "ce"
+    precision: str = "f64"
+    seed: int = 0
+    shift: bool = True
+    control: str = "none"
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    d = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (d if d > 0 else 1.0))
+
+
+def setup(cfg: TieConfig, net):
+    """Parameters (BN randomised), buffers, the global batch [R N, S, S, 3] and its targets."""
+    prec = get_precision(cfg.precision)
+    key = jax.random.key(cfg.seed)
+    shapes = net.param_shapes(cfg.classes)
+    params = layers.init_params(key, shapes, dtype=prec.dtype)
+    params, buffers = layers.randomize_bn(jax.random.fold_in(key, 1), params,
+                                          layers.init_buffers(shapes, prec.dtype))
+    rng = np.random.default_rng(cfg.seed)
+    n = cfg.replicas * cfg.batch
+    x = jnp.asarray(rng.standard_normal((n, cfg.res, cfg.res, 3)), prec.dtype)
+    if cfg.shift:
+        x = dp.shift_shards(x, cfg.replicas, 1.0)
+    lam = rng.uniform(0.3, 1.0, (n, 1))  # soft (mixup) targets: both cotangents are affine in t
+    a, b = (np.eye(cfg.classes)[rng.integers(0, cfg.classes, n)] for _ in range(2))
+    t = jnp.asarray(lam * a + (1 - lam) * b, prec.dtype)
+    if cfg.loss == "bce":
+        t = losses.bce_targets(t, smoothing=0.1)
+    return params, buffers, x, t
+
+
+def single_program(net, cfg: TieConfig, prec: Precision):
+    return _single_program(net, cfg.loss, prec)
+
+
+@functools.lru_cache(maxsize=16)
+def _single_program(net, loss: str, prec: Precision):
+    ctx = layers.Ctx(SINGLE, prec)
+    return jax.jit(lambda p, b, x, t: step.grad_step(net, p, b, x, t, ctx, loss))
+
+
+def _stacked(tree):
+    return jax.tree.map(lambda a: a[None], tree)
+
+
+def replica_program(net, cfg: TieConfig, prec: Precision, collective: bool = True):
+    """The replica step; per-replica outputs (statistics, buffers, and without the collective the
+    gradients) come back stacked along a leading replica axis, to check they agree."""
+    return _replica_program(net, cfg.replicas, cfg.control, cfg.loss, prec, collective)
+
+
+@functools.lru_cache(maxsize=16)
+def _replica_program(net, replicas: int, control: str, loss: str, prec: Precision,
+                     collective: bool):
+    rep = dp.replicas(replicas, control)
+    ctx = layers.Ctx(rep, prec)
+
+    def fn(p, b, x, t):
+        out = step.grad_step(net, p, b, x, t, ctx, loss, collective=collective)
+        grads = out.grads if collective else _stacked(out.grads)
+        return out._replace(grads=grads, stats=_stacked(out.stats), buffers=_stacked(out.buffers))
+
+    r, s = dp.REPLICATED, dp.BATCH
+    return dp.replica_map(fn, replicas, (r, r, s, s),
+                          step.StepOut(r, r if collective else s, s, s, s))
+
+
+def bf16_bound(partials, single):
+    """SPEC §5's bound on a bf16 weight gradient, elementwise: (1/R)|sum_r rnd(S_r) - rnd(S)|,
+    S = sum_r S_r, from the replicas' unrounded f32 partials [R, ...] — plus the f32 slack: the
+    single device accumulates S in another order, so its rnd(S) can land one bf16 step away
+    where S sits near a rounding boundary; one bf16 ulp of S (2^-8 |S|) covers that."""
+    p = np.asarray(partials, np.float64)
+    r = p.shape[0]
+    rnd = p.astype(jnp.bfloat16).astype(np.float64)
+    total = p.sum(0)
+    bound = np.abs(rnd.sum(0) - total.astype(jnp.bfloat16).astype(np.float64)) / r
+    return bound + np.abs(np.asarray(single, np.float64)) * 2.0 ** -8
+
+
+def perturbation(dtype) -> float:
+    """1e-6 in f32 (about 8 ulps), the same number of ulps in f64 (~1.9e-15): a rounding-sized
+    nudge, not a change of the data."""
+    return PERTURBATION_F32 * float(jnp.finfo(dtype).eps / jnp.finfo(jnp.float32).eps)
+
+
+def noise_floor(single, params, buffers, x, t, ref, seed):
+    """SENSITIVITY of each gradient, BN statistic and the loss of the single-device step: the
+    larger of its relative change under (a) a rounding-sized relative perturbation of the input
+    and (b) the same batch in reverse order — the same mathematics summed in other orders,
+    which is exactly the freedom the replica program takes (measured at 32², N = 2, R = 4 in
+    f32: (b) reaches 1e-2 in layer4, ten times (a)). Returns ({param: s}, {bn: s}, loss s)."""
+    u = jax.random.normal(jax.random.key(seed + 1), x.shape, x.dtype)
+    moved = [single(params, buffers, x * (1 + perturbation(x.dtype) * u), t),
+             single(params, buffers, x[::-1], t[::-1])]
+    grads = {n: max(rel(m.grads[n], ref.grads[n]) for m in moved) for n in params}
+    stats = {n: max(max(rel(m.stats[n].mean, ref.stats[n].mean),
+                        rel(m.stats[n].var, ref.stats[n].var)) for m in moved) for n in ref.stats}
+    return grads, stats, max(rel(m.loss, ref.loss) for m in moved)
+
+
+@dataclasses.dataclass
+class TieReport:
+    config: TieConfig
+    parameters: list  # dicts: name, shape, rel_err, abs_err, bound, ok (+ sensitivity)
+    bn_sites: list  # dicts: name, mean_rel_err, var_rel_err, ok
+    loss: dict
+    logits_rel_err: float
+    buffers_rel_err: float
+    replicas_agree: bool
+
+    @property
+    def ok(self) -> bool:
+        return (all(p["ok"] for p in self.parameters) and all(b["ok"] for b in self.bn_sites)
+                and self.loss["ok"] and self.replicas_agree)
+
+    @property
+    def worst(self) -> dict:
+        return max(self.parameters, key=lambda p: p["rel_err"])
+
+    def verdict(self) -> str:
+        n_ok = sum(p["ok"] for p in self.parameters)
+        b_ok = sum(b["ok"] for b in self.bn_sites)
+        w = self.worst
+        head = "tied" if self.ok else "NOT tied"
+        text = (f"{head}: {n_ok}/{len(self.parameters)} parameters, {b_ok}/{len(self.bn_sites)} "
+                f"BN sites; worst rel err {w['rel_err']:.1e} ({w['name']})")
+        if not self.ok:
+            bad = [p["name"] for p in self.parameters if not p["ok"]][:3]
+            bad += [b["name"] for b in self.bn_sites if not b["ok"]][:max(0, 3 - len(bad))]
+            text += "; first failing: " + ", ".join(bad) if bad else ""
+            if not self.replicas_agree:
+                text += "; replicas disagree on BN statistics / running buffers"
+        return text
+
+    def to_json(self) -> dict:
+        return {"verdict": self.verdict(), "ok": self.ok, "config": dataclasses.asdict(self.config),
+                "parameters": self.parameters, "bn_sites": self.bn_sites, "loss": self.loss,
+                "logits_rel_err": self.logits_rel_err, "buffers_rel_err": self.buffers_rel_err,
+                "replicas_agree": self.replicas_agree}
+
+
+def run_tie(cfg: TieConfig, net=None) -> TieReport:
+    from twinstep.nets import get_net
+
+    net = net or get_net(cfg.net)
+    prec = get_precision(cfg.precision)
+    params, buffers, x, t = setup(cfg, net)
+    single = single_program(net, cfg, prec)
+    ref = single(params, buffers, x, t)
+    rep = replica_program(net, cfg, prec)(params, buffers, x, t)
+
+    sensitivity, stat_sens, loss_sens = noise_floor(single, params, buffers, x, t, ref, cfg.seed)
+    param_floor, stat_floor = FLOORS[prec.name]
+    partials = None
+    if prec.name == "bf16":
+        probe = Precision("bf16", round_weight_grads=False)
+        partials = replica_program(net, cfg, probe, collective=False)(params, buffers, x, t).grads
+
+    def bound(floor, s):
+        return max(floor, SENSITIVITY_FACTOR * s)
+
+    parameters = []
+    for name, shape in net.param_shapes(cfg.classes).items():
+        a, b = np.asarray(rep.grads[name], np.float64), np.asarray(ref.grads[name], np.float64)
+        row = {"name": name, "shape": list(shape), "rel_err": rel(a, b),
+               "abs_err": float(np.max(np.abs(a - b))), "sensitivity": sensitivity[name]}
+        if prec.name == "bf16" and len(shape) == 4:
+            elementwise = bf16_bound(partials[name], b)
+            row["bound"] = float(np.linalg.norm(elementwise) / max(np.linalg.norm(b), 1e-300))
+            row["bound_kind"] = "bf16 partial-sum rounding (elementwise)"
+            row["ok"] = bool(np.all(np.abs(a - b) <= elementwise))
+        else:
+            row["bound"] = bound(param_floor, sensitivity[name])
+            row["ok"] = row["rel_err"] <= row["bound"]
+        parameters.append(row)
+
+    bn_sites = []
+    for name, s in ref.stats.items():
+        r_stats = rep.stats[name]
+        m, v = rel(r_stats.mean[0], s.mean), rel(r_stats.var[0], s.var)
+        b_site = bound(stat_floor, stat_sens[name])
+        bn_sites.append({"name": name, "mean_rel_err": m, "var_rel_err": v, "bound": b_site,
+                         "sensitivity": stat_sens[name], "ok": max(m, v) <= b_site})
+
+    agree = all(bool(jnp.all(a == a[:1]))
+                for a in jax.tree.leaves((rep.stats, rep.buffers)))
+    loss_err = abs(float(rep.loss) - float(ref.loss)) / abs(float(ref.loss))
+    loss_bound = bound(stat_floor, loss_sens)
+    buffers_err = max(rel(rep.buffers[k][0], ref.buffers[k]) for k in ref.buffers)
+    return TieReport(cfg, parameters, bn_sites,
+                     {"replica": float(rep.loss), "single": float(ref.loss), "rel_err": loss_err,
+                      "bound": loss_bound, "ok": loss_err <= loss_bound},
+                     rel(rep.logits, ref.logits), buffers_err, agree)
+
+
+def print_report(report: TieReport, show_all: bool = False, seconds: float | None = None,
+                 console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    c = report.config
+    console.print(f"[bold]{c.net}[/]: R = {c.replicas} replicas x N = {c.batch} vs one device at "
+                  f"{c.replicas * c.batch}; {c.res}², K = {c.classes}, loss {c.loss}, "
+                  f"{c.precision}, shift {'on' if c.shift else 'off'}, control {c.control}")
+    rows = sorted(report.parameters, key=lambda p: -p["rel_err"] / max(p["bound"], 1e-300))
+    shown = report.parameters if show_all else rows[:10]
+    table = Table(title="parameter gradients: mean over replicas vs single device" +
+                  ("" if show_all else f" (worst 10 of {len(rows)}; --all for every row)"))
+    has_sens = any("sensitivity" in p for p in shown)
+    table.add_column("parameter", no_wrap=True)
+    table.add_column("shape")
+    for col in ("rel err", "max abs", "bound") + (("sensitivity",) if has_sens else ()) + ("",):
+        table.add_column(col, justify="right")
+    for p in shown:
+        sens = (f"{p['sensitivity']:.1e}" if "sensitivity" in p else "-",) if has_sens else ()
+        table.add_row(p["name"], "x".join(map(str, p["shape"])), f"{p['rel_err']:.1e}",
+                      f"{p['abs_err']:.1e}", f"{p['bound']:.1e}", *sens,
+                      "[green]ok[/]" if p["ok"] else "[red]FAIL[/]")
+    console.print(table)
+
+    sites = sorted(report.bn_sites, key=lambda b: -max(b["mean_rel_err"], b["var_rel_err"]))
+    bn = Table(title="forward half: BN sites' global statistics" +
+               ("" if show_all else f" (worst 5 of {len(sites)})"))
+    bn.add_column("BN site", no_wrap=True)
+    for col in ("mean rel err", "var rel err", "bound", ""):
+        bn.add_column(col, justify="right")
+    for b in sites if show_all else sites[:5]:
+        bn.add_row(b["name"], f"{b['mean_rel_err']:.1e}", f"{b['var_rel_err']:.1e}",
+                   f"{b['bound']:.1e}", "[green]ok[/]" if b["ok"] else "[red]FAIL[/]")
+    console.print(bn)
+    lo = report.loss
+    console.print(f"loss: replicas {lo['replica']:.12g}, single {lo['single']:.12g} "
+                  f"(rel err {lo['rel_err']:.1e}); logits rel err {report.logits_rel_err:.1e}; "
+                  f"running statistics rel err {report.buffers_rel_err:.1e}; replicas "
+                  f"{'agree' if report.replicas_agree else '[red]DISAGREE[/]'} on statistics "
+                  f"and buffers")
+    took = f" ({seconds:.0f} s)" if seconds is not None else ""
+    colour = "green" if report.ok else "red"
+    console.print(f"[{colour}]{report.verdict()}[/]{took}")
