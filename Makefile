@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The oracle extra (torch, timm) is ~5.5 GB from this machine's local wheel cache.
 EXTRAS_TEST := oracle,dev
-DEMO_NETS := resnet50
+DEMO_NETS := resnet50 mnv4
 
 .PHONY: demo certify test lint bench clean
 
@@ -21,8 +21,10 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[$(EXTRAS_TEST)]'
 	touch $@ $(VENV)/.installed-base
 
-# The main job: the data-parallel step tied to the single-device step, both nets, both losses.
+# The main job: the op library's certification, then the data-parallel step tied to the
+# single-device step for each net and loss (verdict lines).
 demo: $(VENV)/.installed-base
+	$(BIN)/twinstep certify
 	@for net in $(DEMO_NETS); do for loss in ce bce; do \
 		echo "== twinstep tie $$net --loss $$loss"; \
 		$(BIN)/twinstep tie $$net --loss $$loss | tail -n 1 || exit 1; done; done

@@ -38,6 +38,15 @@ def test_resnet50_ties_f64(replicas, loss):
         assert r.worst["rel_err"] == 0.0
 
 
+def test_mnv4_ties_f64():
+    r = run(net="mnv4")
+    assert r.ok, r.verdict()
+    assert len(r.parameters) == 233 and len(r.bn_sites) == 77 and r.replicas_agree
+    # structural zeros are compared against zero, so every error is a real one
+    assert all(p["rel_err"] <= 1e-10 or p["rel_err"] <= 10 * p["sensitivity"]
+               for p in r.parameters)
+
+
 def test_resnet50_ties_three_replicas():
     assert_tied(run(net="resnet50", replicas=3, batch=2))
 

@@ -15,6 +15,7 @@ import numpy as np
 from twinstep.nets import layers
 from twinstep.ops import loss as losses
 from twinstep.ops.precision import get_precision
+from twinstep.tie import grad_err, rel
 
 # Bounds: logits relative to max |logit|; gradients and buffers norm-relative per tensor.
 # In f32 only the logits are judged: two f32 implementations that sum in different orders
@@ -89,11 +90,6 @@ class ParityReport:
                 and within(self.buffer_err, BUFFER_BOUND[p]))
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
 def loss_and_targets(kind: str, labels, num_classes: int):
     """(our loss fn z -> (value, dz), timm's criterion, torch targets) for integer labels."""
     torch, _ = _torch()
@@ -166,5 +162,5 @@ def run_parity(net, res: int = 64, batch: int = 2, precision: str = "f64", loss:
     return ParityReport(
         net.NAME, prec.name, loss,
         logit_err(logits, tlogits.detach().numpy()), logit_err(eval_logits, teval),
-        {k: _rel(grads[k], tgrads[k]) for k in tgrads},
-        max(_rel(new_buffers[k], tbuf[k]) for k in tbuf))
+        {k: grad_err(k, grads, tgrads) for k in tgrads},
+        max(rel(new_buffers[k], tbuf[k]) for k in tbuf))

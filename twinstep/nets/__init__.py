@@ -2,9 +2,9 @@
 ``param_shapes(K)``, ``zero_init_bns()``, ``DROP_PATH_SITES``, ``forward(params, buffers, x, ctx,
 ...) -> (logits, tape, stats)`` and ``backward(tape, dlogits) -> grads``."""
 
-from twinstep.nets import resnet50
+from twinstep.nets import mobilenetv4, resnet50
 
-NETS = {resnet50.NAME: resnet50}
+NETS = {resnet50.NAME: resnet50, mobilenetv4.NAME: mobilenetv4}
 
 
 def get_net(name: str):
