@@ -28,6 +28,7 @@ import torch
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy
 
 from twinstep import parity
+from twinstep.dp import FAST_COMPILE
 from twinstep.nets import layers
 from twinstep.nets import mobilenetv4 as net
 from twinstep.ops import loss
@@ -40,7 +41,6 @@ TOL_ZERO = 1e-10  # a structurally zero gradient, relative to its BN's d gamma
 TOL_LOGITS, TOL_GRAD, TOL_BUF = 1e-9, 1e-8, 1e-9  # vs timm, f64
 TOL_LOGITS_F32 = 1e-4
 CONTROL_MIN_ERR = 1e-3
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 LOSSES = ("ce", "bce")
 # (res, batch, masked): every input size and batch of the brief; drop-path and dropout masks on
 # two of them, so both the masked and the mask-free chains are checked against jax.grad.

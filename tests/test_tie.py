@@ -11,16 +11,28 @@ from hypothesis import strategies as st
 
 from twinstep import tie
 from twinstep.collectives import CONTROLS
+from twinstep.nets import get_net
+
+COUNTS = {"resnet50": (161, 53), "mnv4": (233, 77)}  # parameter tensors, BN sites
 
 
 def run(**kw) -> tie.TieReport:
-    return tie.run_tie(tie.TieConfig(**kw))
+    """A tie compiled at -O0 (dp.FAST_COMPILE: same numerics; these runs are compile-bound).
+    The CLI test below runs the default compile."""
+    return tie.run_tie(tie.TieConfig(fast_compile=True, **kw))
 
 
 def assert_tied(r: tie.TieReport):
     assert r.ok, r.verdict()
-    assert len(r.parameters) == 161 and len(r.bn_sites) == 53
+    assert (len(r.parameters), len(r.bn_sites)) == COUNTS[r.config.net]
     assert r.replicas_agree
+
+
+def assert_no_collective(cfg: tie.TieConfig):
+    net = get_net(cfg.net)
+    prec = tie.tie_precision(cfg.precision)
+    text = tie.replica_program(net, cfg, prec).lower(*tie.setup(cfg, net)).as_text()
+    assert "all_reduce" not in text and "all-reduce" not in text
 
 
 @pytest.mark.parametrize("loss", ["ce", "bce"])
@@ -34,55 +46,63 @@ def test_resnet50_ties_f64(replicas, loss):
     for b in r.bn_sites:
         err = max(b["mean_rel_err"], b["var_rel_err"])
         assert err <= 1e-12 or (b["sensitivity"] > 1e-13 and err <= 10 * b["sensitivity"])
-    if replicas == 1:  # no collective: the very same program
+    if replicas == 1:  # no collective: the same arithmetic, bit for bit
+        assert_no_collective(r.config)
         assert r.worst["rel_err"] == 0.0
 
 
-def test_mnv4_ties_f64():
-    r = run(net="mnv4")
-    assert r.ok, r.verdict()
-    assert len(r.parameters) == 233 and len(r.bn_sites) == 77 and r.replicas_agree
+@pytest.mark.parametrize("loss", ["ce", "bce"])
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_mnv4_ties_f64(replicas, loss):
+    r = run(net="mnv4", replicas=replicas, loss=loss)
+    assert_tied(r)
     # structural zeros are compared against zero, so every error is a real one
     assert all(p["rel_err"] <= 1e-10 or p["rel_err"] <= 10 * p["sensitivity"]
                for p in r.parameters)
+    if replicas == 1:
+        assert r.worst["rel_err"] == 0.0
 
 
 def test_resnet50_ties_three_replicas():
     assert_tied(run(net="resnet50", replicas=3, batch=2))
 
 
+@pytest.mark.parametrize("net", sorted(COUNTS))
 @pytest.mark.parametrize("control", sorted(set(CONTROLS) - {"none"}))
-def test_every_control_breaks_the_tie(control):
-    r = run(net="resnet50", replicas=2, control=control)
+def test_every_control_breaks_the_tie(net, control):
+    r = run(net=net, replicas=2, control=control)
     assert not r.ok
     assert "NOT tied" in r.verdict()
     if control == "shard-gamma":  # only BN gammas break; the forward half is untouched
         failing = {p["name"] for p in r.parameters if not p["ok"]}
-        assert failing and all(n.endswith(".weight") and ("bn" in n or "downsample.1" in n)
-                               for n in failing)
+        bn_gammas = {f"{b['name']}.weight" for b in r.bn_sites}
+        assert failing and failing <= bn_gammas
         assert all(b["ok"] for b in r.bn_sites)
 
 
-def test_f32_ties_within_its_noise_floor():
-    r = run(net="resnet50", precision="f32")
-    assert r.ok, r.verdict()
+@pytest.mark.parametrize("net", sorted(COUNTS))
+def test_f32_ties_within_its_noise_floor(net):
+    r = run(net=net, precision="f32")
+    assert_tied(r)
     assert all(p["bound"] == max(1e-4, 10 * p["sensitivity"]) for p in r.parameters)
     # the bound still sees a real bug in f32
-    assert not run(net="resnet50", precision="f32", control="shard-gamma").ok
+    assert not run(net=net, precision="f32", control="shard-gamma").ok
 
 
-def test_bf16_reports_the_partial_sum_bound():
-    """bf16: every conv weight row carries SPEC §5's bound and the step's own noise floor. At
-    these sizes the bf16 step's noise floor is O(1) (reversing the batch order moves conv1's
-    gradient by ~100%), so the end-to-end comparison cannot meet the partial-sum bound: the
-    verdict says so rather than widening the bound."""
-    r = run(net="resnet50", precision="bf16")
+@pytest.mark.parametrize("net", sorted(COUNTS))
+def test_bf16_ties_at_the_partial_sum_boundary(net):
+    """bf16 (tie.tie_precision): every conv weight gradient within SPEC §5's boundary
+    elementwise, and that boundary is what separates the two programs — the error is of its
+    size, not far below it; everything else ties at the f64 bounds; a control still fails."""
+    r = run(net=net, precision="bf16")
+    assert_tied(r)
     convs = [p for p in r.parameters if len(p["shape"]) == 4]
-    assert len(convs) == 53
-    assert all(p["bound_kind"].startswith("bf16 partial-sum") for p in convs)
-    conv1 = next(p for p in convs if p["name"] == "conv1.weight")
-    assert conv1["sensitivity"] > 0.1 and conv1["rel_err"] > conv1["bound"]
-    assert not r.ok
+    assert convs and all(p["bound_kind"].startswith("bf16 partial-sum") for p in convs)
+    assert max(p["rel_err"] for p in convs) > 0.1 * max(p["bound"] for p in convs) > 0
+    rest = [p for p in r.parameters if len(p["shape"]) != 4]
+    assert all(p["rel_err"] <= 1e-10 for p in rest)
+    if net == "resnet50":  # the bf16 bound still sees a bug (MNv4's controls run in f64)
+        assert not run(net=net, precision="bf16", control="unsynced").ok
 
 
 @pytest.mark.slow

@@ -58,6 +58,39 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_recipe(args) -> int:
+    """Decode a recipe name (SPEC §6) and print every field."""
+    import dataclasses
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from twinstep import recipe
+
+    try:
+        r = recipe.parse(args.name)
+    except recipe.RecipeError as e:
+        print(f"twinstep: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        d = {"name": r.name, **dataclasses.asdict(r), "train_res": r.train_res, "loss": r.loss,
+             "effective_weight_decay": r.effective_weight_decay,
+             "effective_label_smoothing": r.effective_label_smoothing}
+        if args.replicas is not None:
+            d["replicas"] = args.replicas
+            d["effective_batch"] = r.effective_batch(args.replicas)
+        print(json.dumps(d))
+        return 0
+    title = args.name if args.name == r.name else f"{args.name} = {r.name}"
+    table = Table(title=title)
+    table.add_column("field")
+    table.add_column("value")
+    for label, value in recipe.describe(r, args.replicas):
+        table.add_row(label, value)
+    Console().print(table)
+    return 0
+
+
 def cmd_parity(args) -> int:
     """One train step and an eval forward against timm + torch autograd, same weights."""
     if args.precision == "f64":
@@ -96,7 +129,7 @@ def cmd_parity(args) -> int:
 
 def cmd_tie(args) -> int:
     """The R-replica step against the single-device step at R*N, parameter by parameter."""
-    if args.precision == "f64":
+    if args.precision in ("f64", "bf16"):  # bf16 ties run f64 around the bf16 convs
         _enable_x64()
     from twinstep import dp
 
@@ -104,7 +137,8 @@ def cmd_tie(args) -> int:
     from twinstep import tie
 
     cfg = tie.TieConfig(args.net, args.replicas, args.batch, args.res, args.classes, args.loss,
-                        args.precision, args.seed, args.shift, args.control)
+                        args.precision, args.seed, args.shift, args.control,
+                        args.fast_compile)
     t0 = time.perf_counter()
     report = tie.run_tie(cfg)
     tie.print_report(report, show_all=args.all, seconds=time.perf_counter() - t0)
@@ -149,6 +183,36 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print JSON instead of a table")
     i.set_defaults(func=cmd_info)
 
+    from twinstep import recipe
+
+    r = sub.add_parser(
+        "recipe", help="decode a recipe name (or a preset) and print every field",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Decode a recipe name into the training configuration it stands for.\n\n"
+                    f"Grammar: {recipe.GRAMMAR}\n"
+                    "  net resnet50 | mnv4; data in (ImageNet-1k); res: the train resolution "
+                    "(default: the net's)\n"
+                    "  ema: EMA of weights; opt lamb | adam (AdamW) | mom (SGD, momentum) | "
+                    "sgd (SGD, Nesterov)\n"
+                    "  acc + <k>x: accumulate k >= 2 micro-steps ('acc' alone: AdamW); "
+                    "dp: data-parallel, sync-BN\n"
+                    "  <N>: batch per replica (default 32); wx: no decay on 1-D tensors; "
+                    "clip: global norm 1.0\n"
+                    "  drop: stochastic depth; do: classifier dropout; bce: BCE loss; "
+                    "ls<a>/wd<d>: label smoothing\n"
+                    "  and weight decay, point after the first digit (wd005 = 0.05); "
+                    "bf16: bf16 convs\n"
+                    "Tokens go in this order, each at most once. The replica count R is not in "
+                    "the name.\n\nPresets (SPEC §6, dp on R = 8):\n"
+                    + "\n".join(f"  {k:<12} {v.name}" for k, v in recipe.PRESETS.items())
+                    + "\n\nExit 0 on a valid name, 2 on a bad one (the error names the token).")
+    r.add_argument("name", help="a grammar name, e.g. resnet50in160_lambaccdp4x128wxclipbcebf16, "
+                                "or a preset")
+    r.add_argument("--replicas", type=int, metavar="R",
+                   help="also print the effective batch R*N*k")
+    r.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    r.set_defaults(func=cmd_recipe)
+
     q = sub.add_parser(
         "parity", help="the net against timm + torch autograd, same random weights",
         description="Build timm's model with twinstep's random weights (BN gamma, beta and "
@@ -180,9 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "Bounds: f64 — parameters 1e-10, BN statistics 1e-12 (relative). f32 — "
                     "max(1e-4, 10 x SENSITIVITY) per tensor, SENSITIVITY being what f32 "
                     "arithmetic alone moves the single-device value by (a 1e-6 input "
-                    "perturbation or a reordered batch). bf16 — conv weight gradients "
-                    "elementwise against SPEC §5's partial-sum rounding bound; the rest as "
-                    "f32.\n\nExit 0 when everything ties, 1 when anything fails, 2 on bad "
+                    "perturbation or a reordered batch). bf16 — the bf16 policy's rounding "
+                    "points (every conv operand and result) with f64 around them, so both "
+                    "programs feed every conv the same bf16 operands: conv weight gradients "
+                    "elementwise against SPEC §5's partial-sum rounding boundary, everything "
+                    "else at the f64 bounds; R must be a power of two.\n\n"
+                    "Exit 0 when everything ties, 1 when anything fails, 2 on bad "
                     "usage. Controls inject a classic bug; each must make the tie fail:\n"
                     + "\n".join(f"  {k:<14} {v}" for k, v in CONTROLS.items()))
     t.add_argument("net", choices=sorted(NETS))
@@ -201,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--all", action="store_true", help="one row per parameter (default: the "
                                                       "worst 10 and counts)")
     t.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    t.add_argument("--fast-compile", action="store_true",
+                   help="compile with XLA:CPU at -O0 (same numerics; a default-size tie is "
+                        "mostly compile time, so it finishes sooner)")
     t.set_defaults(func=cmd_tie)
     return p
 
@@ -222,6 +292,10 @@ def main(argv=None) -> int:
         multiple = get_net(args.net).INPUT_MULTIPLE
         if args.res % multiple:
             parser.error(f"--res must be a multiple of {multiple} for {args.net}")
+    if args.command == "tie" and args.precision == "bf16" and args.replicas & (args.replicas - 1):
+        parser.error("a bf16 tie needs --replicas a power of two: a replica's loss cotangent is "
+                     "R times the single device's, and bf16 rounding commutes with that scale "
+                     "only for R = 2^k")
     return args.func(args)
 
 

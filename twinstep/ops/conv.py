@@ -55,10 +55,14 @@ class ConvRes:
 
 def _conv(lhs, rhs, precision, dims, result_dtype=None, **kw):
     """One XLA convolution with conv-dtype operands and a conv-dtype-TYPED result."""
-    cd = precision.conv_dtype
-    y = lax.conv_general_dilated(lhs.astype(cd), rhs.astype(cd), dimension_numbers=dims,
-                                 preferred_element_type=result_dtype or cd, **kw)
-    return y.astype(precision.dtype)
+    cd, acc = precision.conv_dtype, precision.conv_accumulator
+    if acc is None:
+        return lax.conv_general_dilated(lhs.astype(cd), rhs.astype(cd), dimension_numbers=dims,
+                                        preferred_element_type=result_dtype or cd,
+                                        **kw).astype(precision.dtype)
+    y = lax.conv_general_dilated(lhs.astype(cd).astype(acc), rhs.astype(cd).astype(acc),
+                                 dimension_numbers=dims, preferred_element_type=acc, **kw)
+    return y.astype(result_dtype or cd).astype(precision.dtype)
 
 
 # ---------------------------------------------------------------------------------- dense conv

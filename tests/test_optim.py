@@ -1,0 +1,353 @@
+"""Optimizers, LR schedule and EMA against their oracles: timm's Lamb, torch's AdamW and SGD, and
+timm's ModelEmaV3, run on identical parameters and gradients; the controls that must break each
+comparison; the schedule against its closed form."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from timm.optim import Lamb, param_groups_weight_decay
+from timm.utils import ModelEmaV3
+from torch import nn
+
+from twinstep import dp, ema, optim
+from twinstep.nets import mobilenetv4, resnet50
+
+BOUND = {np.float64: 1e-10, np.float32: 2e-6}
+WD = 0.05
+LR = {"lamb": 0.05, "adamw": 0.02, "momentum": 0.1, "sgd": 0.1}
+STEPS = 3  # compared after step 1 and after step STEPS
+ZERO = ("layer1.0.conv2.weight", "layer1.0.bn2.weight")  # all-zero: trust ratio 1 (‖θ‖ = 0)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(8, 8, 1, bias=False), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(y)))
+
+
+class Tiny(nn.Module):
+    """4-D convs, a 2-D linear, BN γ/β and a bias, under timm's names (layer1.0.bn1.weight, …)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8)
+        self.layer1 = nn.Sequential(Block())
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = self.layer1(torch.relu(self.bn1(self.conv1(x))))
+        return self.fc(x.mean((2, 3)))
+
+
+def _model(params: dict, dtype) -> Tiny:
+    model = Tiny().to(torch.float64 if dtype == np.float64 else torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.from_numpy(params[n].astype(dtype)))
+    return model
+
+
+def _problem(rng):
+    """Parameters (two all-zero tensors) and STEPS gradient dicts, in f64. Per-tensor, per-step
+    scales make the global norm ≫ 1 (the clip triggers) and vary, so the clip matters for Adam."""
+    shapes = {n: tuple(p.shape) for n, p in Tiny().named_parameters()}
+    params = {n: (0.0 if n in ZERO else rng.uniform(0.2, 1.0)) * rng.normal(size=s)
+              for n, s in shapes.items()}
+    grads = [{n: 10 ** rng.uniform(-1, 1) * rng.normal(size=s) for n, s in shapes.items()}
+             for _ in range(STEPS)]
+    return params, grads
+
+
+def _global_norm(g: dict) -> float:
+    return math.sqrt(sum(float(np.sum(v ** 2)) for v in g.values()))
+
+
+def _torch(kind, wx, clip, params, grads, dtype):
+    """The oracle: timm / torch optimizers, parameter groups as timm's create_optimizer builds them.
+    For adamw / momentum / sgd the clip is timm Lamb's g / max(‖g‖, 1), applied to p.grad."""
+    model = _model(params, dtype)
+    named = dict(model.named_parameters())
+    groups = param_groups_weight_decay(model, WD) if wx else model.parameters()
+    if kind == "lamb":
+        opt = Lamb(groups, lr=LR[kind], weight_decay=WD, max_grad_norm=1.0 if clip else None)
+    elif kind == "adamw":
+        opt = torch.optim.AdamW(groups, lr=LR[kind], betas=(0.9, 0.999), eps=1e-8, weight_decay=WD)
+    else:
+        opt = torch.optim.SGD(groups, lr=LR[kind], momentum=0.9, nesterov=kind == "sgd",
+                              weight_decay=WD)
+    out = []
+    for g in grads:
+        for n, p in named.items():
+            p.grad = torch.from_numpy(g[n].astype(dtype))
+        if clip and kind != "lamb":
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in named.values()]))
+            for p in named.values():
+                p.grad.div_(norm.clamp(min=1.0))
+        opt.step()
+        out.append({n: p.detach().numpy().copy() for n, p in named.items()})
+    return out
+
+
+def _ours(opt, params, grads, dtype):
+    p = {n: jnp.asarray(v, dtype) for n, v in params.items()}
+    state = opt.init(p)
+    out = []
+    for g in grads:
+        p, state = optim.apply(opt, {n: jnp.asarray(v, dtype) for n, v in g.items()}, state, p)
+        out.append({n: np.asarray(v) for n, v in p.items()})
+    return out
+
+
+def _err(ours: dict, theirs: dict) -> float:
+    """The worst per-tensor norm-relative error."""
+    return max(float(np.linalg.norm(ours[n] - theirs[n]) / np.linalg.norm(theirs[n]))
+               for n in theirs)
+
+
+def _errs(ours: list, theirs: list) -> tuple[float, float]:
+    return _err(ours[0], theirs[0]), _err(ours[-1], theirs[-1])
+
+
+CASES = [(k, wx, clip) for k in optim.KINDS for wx in (False, True) for clip in (False, True)]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("kind,wx,clip", CASES)
+def test_optimizer_matches_oracle(kind, wx, clip, dtype, rng):
+    params, grads = _problem(rng)
+    if clip:
+        assert min(_global_norm(g) for g in grads) > 10  # the clip triggers at every step
+    opt = optim.make_optimizer(kind, LR[kind], WD, wx, clip, params)
+    theirs = _torch(kind, wx, clip, params, grads, dtype)
+    ours = _ours(opt, params, grads, dtype)
+    e1, e3 = _errs(ours, theirs)
+    # the steps are not negligible against the parameters (else the comparison would prove little)
+    moved = min(np.linalg.norm(theirs[-1][n] - params[n]) / np.linalg.norm(theirs[-1][n])
+                for n in params)
+    print(f"{kind} wx={wx} clip={clip} {dtype.__name__}: step 1 {e1:.2e}, step {STEPS} {e3:.2e}, "
+          f"moved >= {moved:.1e}")
+    assert max(e1, e3) <= BOUND[dtype] and moved > 1e-3
+
+
+# ----------------------------------------------------------------- controls that must break parity
+
+
+def _per_tensor_clip():
+    return optax.stateless(lambda u, _: jax.tree.map(lambda g: g / jnp.maximum(
+        jnp.linalg.norm(g), 1.0), u))
+
+
+def _wrong(name, params):
+    """(oracle case, a deliberately wrong optimizer)."""
+    mask = optim.decay_mask(params, True)
+    lr = optax.scale_by_learning_rate
+    if name == "lamb trust ratio on 1-D under wx":
+        return ("lamb", True, True), optax.chain(
+            optax.clip_by_global_norm(1.0), optax.scale_by_adam(eps=1e-6),
+            optax.add_decayed_weights(WD, mask), optax.scale_by_trust_ratio(), lr(LR["lamb"]))
+    if name == "lamb clip per tensor":
+        return ("lamb", False, True), optax.chain(
+            _per_tensor_clip(), optim.make_optimizer("lamb", LR["lamb"], WD, False, False, params))
+    if name == "lamb without its clip":
+        return ("lamb", True, True), optim.make_optimizer("lamb", LR["lamb"], WD, True, False,
+                                                          params)
+    if name == "adamw coupled decay":
+        return ("adamw", True, False), optax.chain(
+            optax.add_decayed_weights(WD, mask), optax.scale_by_adam(eps=1e-8), lr(LR["adamw"]))
+    if name == "adamw decay on 1-D":
+        return ("adamw", True, False), optim.make_optimizer("adamw", LR["adamw"], WD, False, False,
+                                                            params)
+    if name == "momentum as nesterov":
+        return ("momentum", False, False), optim.make_optimizer("sgd", LR["sgd"], WD, False, False,
+                                                                params)
+    if name == "sgd as heavy-ball":
+        return ("sgd", False, False), optim.make_optimizer("momentum", LR["sgd"], WD, False, False,
+                                                           params)
+    if name == "momentum decoupled decay":
+        return ("momentum", True, False), optax.chain(
+            optax.trace(0.9), optax.add_decayed_weights(WD, mask), lr(LR["momentum"]))
+    raise KeyError(name)
+
+
+WRONG = ["lamb trust ratio on 1-D under wx", "lamb clip per tensor", "lamb without its clip",
+         "adamw coupled decay", "adamw decay on 1-D", "momentum as nesterov", "sgd as heavy-ball",
+         "momentum decoupled decay"]
+
+
+@pytest.mark.parametrize("name", WRONG)
+def test_controls_break_parity(name, rng):
+    params, grads = _problem(rng)
+    (kind, wx, clip), opt = _wrong(name, params)
+    e1, e3 = _errs(_ours(opt, params, grads, np.float64),
+                   _torch(kind, wx, clip, params, grads, np.float64))
+    print(f"{name}: step 1 {e1:.2e}, step {STEPS} {e3:.2e}")
+    assert e3 > 100 * BOUND[np.float32]
+
+
+def test_clip_is_timm_global_norm(rng):
+    """optax's global norm is timm Lamb's (over every tensor of every group); the clipped gradient
+    has norm 1; torch's clip_grad_norm_ (timm's train-loop clip) differs by its 1e-6."""
+    params, grads = _problem(rng)
+    g = grads[0]
+    model = _model(params, np.float64)
+    named = dict(model.named_parameters())
+    for n, p in named.items():
+        p.grad = torch.from_numpy(g[n].copy())
+    lamb = Lamb(param_groups_weight_decay(model, WD), max_grad_norm=1.0)
+    theirs = float(lamb._get_clip_grad_norm())  # max(‖g‖, 1), the divisor
+    ours = float(optax.tree.norm({n: jnp.asarray(v) for n, v in g.items()}))
+    assert ours > 10 and abs(ours - theirs) <= 1e-14 * theirs
+    clipped, _ = optax.clip_by_global_norm(1.0).update({n: jnp.asarray(v) for n, v in g.items()},
+                                                       optax.EmptyState())
+    assert abs(float(optax.tree.norm(clipped)) - 1.0) <= 1e-14
+    torch.nn.utils.clip_grad_norm_(named.values(), 1.0)
+    gap = _err({n: np.asarray(v) for n, v in clipped.items()},
+               {n: p.grad.numpy() for n, p in named.items()})
+    assert gap == pytest.approx(1e-6 / ours, rel=1e-3)
+
+
+# ---------------------------------------------------------------------------- masks, jit, export
+
+
+def test_decay_mask():
+    for net, (tensors, one_d) in ((resnet50, (161, 107)), (mobilenetv4, (233, 155))):
+        shapes = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in net.param_shapes().items()}
+        mask = optim.decay_mask(shapes, True)
+        assert (len(mask), sum(not m for m in mask.values())) == (tensors, one_d)
+        assert all(optim.decay_mask(shapes, False).values())
+    model = Tiny()
+    no_decay = {id(p) for p in param_groups_weight_decay(model, WD)[0]["params"]}
+    mask = optim.decay_mask(dict(model.named_parameters()), True)
+    assert mask == {n: id(p) not in no_decay for n, p in model.named_parameters()}
+
+
+def test_jit_shard_map_export(rng):
+    """The optimizer inside jit, inside shard_map on replicated values, and through a serialized
+    jax.export (with an LR schedule) gives the eager result. optax's state namedtuples are not
+    registered for export serialization, so the exported function takes and returns flat leaves."""
+    params, grads = _problem(rng)
+    p = {n: jnp.asarray(v) for n, v in params.items()}
+    g = {n: jnp.asarray(v) for n, v in grads[0].items()}
+    opt = optim.make_optimizer("lamb", optim.lr_schedule(0.05, 2, 10, 1e-3), WD, True, True, p)
+    state = opt.init(p)
+    step = lambda p, s, g: optim.apply(opt, g, s, p)  # noqa: E731
+    want = step(p, state, g)
+    leaves, tree_in = jax.tree.flatten((p, state, g))
+    flat = jax.jit(lambda *xs: jax.tree.leaves(step(*jax.tree.unflatten(tree_in, xs))))
+    exported = jax.export.deserialize(jax.export.export(flat)(*leaves).serialize())
+    mapped = jax.jit(jax.shard_map(step, mesh=dp.mesh(8), in_specs=dp.REPLICATED,
+                                   out_specs=dp.REPLICATED))
+    for got in (jax.jit(step)(p, state, g), mapped(p, state, g),
+                jax.tree.unflatten(jax.tree.structure(want), exported.call(*leaves))):
+        assert _err(jax.tree.map(np.asarray, got[0]), jax.tree.map(np.asarray, want[0])) <= 1e-14
+        assert int(got[1][1].count) == 1  # scale_by_adam's count
+
+
+def test_unknown_kind():
+    with pytest.raises(ValueError, match="'adam'"):
+        optim.make_optimizer("adam", 1e-3, 0.0, False, False, {})
+
+
+# ----------------------------------------------------------------------------------- the schedule
+
+
+def test_lr_schedule_closed_form():
+    peak, w, t, init, end = 8e-3, 5, 20, 1e-5, 1e-6
+    sched = optim.lr_schedule(peak, w, t, init, end)
+    for s in range(t + 5):
+        if s < w:
+            want = init + (peak - init) * s / w
+        else:
+            want = end + (peak - end) * 0.5 * (1 + math.cos(math.pi * min(s - w, t - w) / (t - w)))
+        assert float(sched(s)) == pytest.approx(want, rel=1e-14, abs=1e-18)
+    assert float(sched(0)) == pytest.approx(init, rel=1e-12)  # optax: (init − peak)·1 + peak
+    assert float(sched(w)) == pytest.approx(peak, rel=1e-15)
+    assert float(sched(t)) == pytest.approx(end, rel=1e-12) and float(sched(10 * t)) == sched(t)
+    assert float(optim.lr_schedule(peak, 0, t)(0)) == pytest.approx(peak, rel=1e-15)
+    with pytest.raises(ValueError):
+        optim.lr_schedule(peak, t, t)
+
+
+def test_first_step_uses_lr_at_zero():
+    """The first optimizer update uses lr(0) (heavy-ball's first step is −lr g)."""
+    p, g = {"w": jnp.ones(3)}, {"w": jnp.arange(3.0)}
+    opt = optim.make_optimizer("momentum", optim.lr_schedule(1.0, 4, 8, 0.25), 0.0, False, False, p)
+    new, _ = optim.apply(opt, g, opt.init(p), p)
+    np.testing.assert_array_equal(new["w"], 1.0 - 0.25 * g["w"])
+
+
+# ------------------------------------------------------------------------------------------ EMA
+
+
+def test_ema_decay_matches_timm():
+    model = Tiny()
+    for warmup in ("none", "timm"):
+        timm_ema = ModelEmaV3(model, decay=0.9999, use_warmup=warmup == "timm")
+        for step in [0, 1, 2, 3, 10, 1000, 31_623, 10 ** 6, 10 ** 7]:
+            got = float(jax.jit(lambda s, w=warmup: ema.ema_decay(s, warmup=w))(step))
+            assert got == pytest.approx(timm_ema.get_decay(step), rel=1e-15, abs=1e-15), step
+    for step in [0, 1, 2, 3, 10, 100, 10 ** 5]:
+        t = step - 1
+        want = 0.0 if t <= 0 else min(0.9999, (1 + t) / (10 + t))
+        assert float(ema.ema_decay(step, warmup="tf")) == pytest.approx(want, rel=1e-15, abs=1e-15)
+
+
+def _state(model) -> tuple[dict, dict]:
+    names = {n for n, _ in model.named_parameters()}
+    sd = {n: v.detach().numpy().copy() for n, v in model.state_dict().items()}
+    return ({n: v for n, v in sd.items() if n in names},
+            {n: v for n, v in sd.items() if n not in names})
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("warmup,decay", [("none", 0.9999), ("timm", 0.9999), ("none", 0.9)])
+def test_ema_matches_timm(warmup, decay, dtype, rng):
+    """Five train-loop steps: weights move, BN running statistics (and the integer counter) update
+    in a train-mode forward, num_updates += 1, then both EMAs update with step=num_updates."""
+    params, _ = _problem(rng)
+    model = _model(params, dtype)
+    timm_ema = ModelEmaV3(model, decay=decay, use_warmup=warmup == "timm")
+    ours = ema.ema_init(*_state(model))
+    x = torch.from_numpy(rng.normal(size=(4, 3, 6, 6)).astype(dtype))
+    for num_updates in range(1, 6):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.from_numpy(0.1 * rng.normal(size=p.shape).astype(dtype)))
+            model.train()(x)
+        timm_ema.update(model, step=num_updates)
+        ours = ema.ema_update(ours, _state(model), num_updates, decay=decay, warmup=warmup)
+        theirs = timm_ema.module.state_dict()
+        for tree in ours:
+            for n, v in tree.items():
+                want = theirs[n].numpy()
+                assert v.dtype == want.dtype
+                if n.endswith("num_batches_tracked"):
+                    assert int(v) == int(want) == num_updates
+                else:
+                    assert _err({n: np.asarray(v)}, {n: want}) <= BOUND[dtype], (num_updates, n)
+
+
+def test_ema_off_by_one_breaks_parity(rng):
+    """Counting the step one too high (decay 0.9999 instead of the copy on the first update)."""
+    params, _ = _problem(rng)
+    model = _model(params, np.float64)
+    timm_ema = ModelEmaV3(model)
+    ours = ema.ema_init(*_state(model))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1)
+    timm_ema.update(model, step=1)
+    ours = ema.ema_update(ours, _state(model), 2)
+    assert _err({n: np.asarray(v) for n, v in ours[0].items()},
+                {n: v.numpy() for n, v in timm_ema.module.state_dict().items() if n in ours[0]}) \
+        > 1e-3

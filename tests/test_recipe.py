@@ -1,0 +1,227 @@
+"""Recipe names (SPEC §6): the reference set decodes field by field, every name round-trips,
+malformed names are rejected naming the offending token, the presets and the CLI print."""
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from twinstep import recipe
+from twinstep.cli import main
+from twinstep.recipe import PRESETS, REFERENCE_NAMES, Recipe, RecipeError, parse
+
+# name -> the fields it must decode to (the rest: the dataclass defaults)
+EXPECTED = {
+    "resnet50in160_lambaccdp4x128wxclipbcebf16": dict(
+        net="resnet50", res=160, optimizer="lamb", accum=4, dp=True, batch=128, wx=True,
+        clip=True, bce=True, bf16=True),
+    "resnet50in160_lambaccdp8x64wxclipbce": dict(
+        net="resnet50", res=160, optimizer="lamb", accum=8, dp=True, batch=64, wx=True,
+        clip=True, bce=True),
+    "resnet50in_lambaccdp4x128wxclipdropbce": dict(
+        net="resnet50", optimizer="lamb", accum=4, dp=True, batch=128, wx=True, clip=True,
+        drop=True, bce=True),
+    "resnet50in_emalambaccdp4x128wxclipdropbce": dict(
+        net="resnet50", optimizer="lamb", accum=4, dp=True, batch=128, wx=True, clip=True,
+        drop=True, bce=True, ema=True),
+    "resnet50in_momdp64": dict(net="resnet50", optimizer="momentum", dp=True, batch=64),
+    "mnv4in_emaaccdp8x128wxdowd005bf16": dict(
+        net="mnv4", optimizer="adamw", accum=8, dp=True, batch=128, wx=True, dropout=True,
+        weight_decay=0.05, bf16=True, ema=True),
+    "mnv4in_accdp8x128wxdropdowd01bf16": dict(
+        net="mnv4", optimizer="adamw", accum=8, dp=True, batch=128, wx=True, drop=True,
+        dropout=True, weight_decay=0.1, bf16=True),
+    "mnv4in_adamdp64": dict(net="mnv4", optimizer="adamw", dp=True, batch=64),
+}
+
+
+def test_reference_names_decode_and_round_trip():
+    assert set(REFERENCE_NAMES) == set(EXPECTED)
+    for name in REFERENCE_NAMES:
+        r = parse(name)
+        assert r == Recipe(**EXPECTED[name]), name
+        assert r.name == name
+
+
+def test_explicit_fields():
+    r = parse("resnet50in160_lambaccdp4x128wxclipbcebf16")
+    assert (r.res, r.train_res, r.optimizer, r.accum, r.dp, r.batch) == (160, 160, "lamb", 4,
+                                                                         True, 128)
+    assert r.wx and r.clip and r.bce and r.bf16 and not (r.drop or r.dropout or r.ema)
+    assert r.loss == "bce" and r.effective_label_smoothing == 0.0
+    assert r.effective_batch(8) == 8 * 128 * 4
+    r = parse("mnv4in_accdp8x128wxdropdowd01bf16")
+    assert (r.optimizer, r.accum, r.drop, r.dropout, r.weight_decay) == ("adamw", 8, True, True,
+                                                                        0.1)
+    assert r.train_res == 256 and r.res is None and r.loss == "ce"
+    assert r.effective_weight_decay == 0.1 and r.effective_label_smoothing == 0.1
+    assert r.lr == 4e-3 and r.drop_path_rate == 0.075
+
+
+def test_defaults_and_decimals():
+    r = parse("resnet50in_lamb")  # omitted N is 32, no dp: a single device
+    assert (r.batch, r.dp, r.accum, r.effective_batch(1)) == (32, False, 1, 32)
+    assert (r.lr, r.effective_weight_decay, r.drop_path_rate) == (5e-3, 0.02, 0.05)
+    assert parse("resnet50in_sgd").optimizer == "sgd"
+    assert parse("resnet50in_sgd").effective_weight_decay == 1e-4
+    assert parse("resnet50in_lamb128").batch == 128  # N without dp
+    assert parse("resnet50in_lambacc2x").accum == 2
+    for digits, value in (("005", 0.05), ("01", 0.1), ("1", 1.0), ("0", 0.0), ("00001", 1e-4),
+                          ("25", 2.5)):
+        assert parse(f"mnv4in_adamwd{digits}").weight_decay == value
+    assert parse("mnv4in_adamls01").label_smoothing == 0.1
+    assert parse("mnv4in_adamls0").effective_label_smoothing == 0.0
+    assert parse("resnet50in224_mom").res == 224  # explicit default res is kept, and printed
+    assert parse("resnet50in224_mom").name == "resnet50in224_mom"
+
+
+decimals = st.one_of(st.none(), st.sampled_from([0.0, 0.05, 0.1, 1e-4]),
+                     st.floats(0, 1, exclude_max=True))
+
+
+@settings(max_examples=300)
+@given(net=st.sampled_from(sorted(recipe.NET_RES)), res=st.one_of(st.none(), st.integers(1, 999)),
+       optimizer=st.sampled_from(sorted(recipe.OPTIMIZERS)), accum=st.integers(1, 64),
+       batch=st.integers(1, 4096), flags=st.lists(st.booleans(), min_size=9, max_size=9),
+       label_smoothing=decimals,
+       weight_decay=st.one_of(decimals, st.floats(0, 10, exclude_max=True)))
+def test_random_recipes_round_trip(net, res, optimizer, accum, batch, flags, label_smoothing,
+                                   weight_decay):
+    dp, wx, clip, drop, dropout, bce, bf16, ema, _ = flags
+    r = Recipe(net=net, res=res, optimizer=optimizer, accum=accum, dp=dp, batch=batch, wx=wx,
+               clip=clip, drop=drop, dropout=dropout, bce=bce, label_smoothing=label_smoothing,
+               weight_decay=weight_decay, bf16=bf16, ema=ema)
+    assert parse(r.name) == r, r.name
+    assert parse(r.name).name == r.name
+
+
+# (name, a piece of the message: the offending token)
+MALFORMED = [
+    ("resnet50in_lambfoo", "unknown token 'foo' after 'lamb'"),
+    ("resnet50in_lambfoowx", "unknown token 'foo'"),
+    ("mnv4in_lambdropout", "unknown token 'out' after 'drop'"),
+    ("resnet50in_lambwxdp", "'dp' out of order"),
+    ("resnet50in_lambema", "'ema' out of order"),
+    ("resnet50in_lambwxwx", "'wx' repeated"),
+    ("resnet50in_lambadam", "'adam' repeated"),
+    ("resnet50in_acc4x8x", "'8x' repeated"),
+    ("resnet50in_lambacc", "'acc' needs '<k>x'"),
+    ("resnet50in_lambdp4x128", "'4x' needs 'acc'"),
+    ("resnet50in_lambacc1x", "'1x'"),
+    ("resnet50in_lambacc04x", "'04x' has a leading zero"),
+    ("resnet18in_lamb", "'resnet18in'"),
+    ("resnet50im_lamb", "unknown dataset 'im'"),
+    ("resnet50inlamb", "missing '_'"),
+    ("", "empty"),
+    ("resnet50in_lambwd", "'wd' needs digits"),
+    ("resnet50in_lambls", "'ls' needs digits"),
+    ("resnet50in_lambls1", "'ls1'"),
+    ("resnet50in_lambwd010", "'wd010' is not canonical; write 'wd01'"),
+    ("resnet50in_lambdp32", "'32' is the default N"),
+    ("resnet50in_lambdp064", "'064' has a leading zero"),
+    ("resnet50in_lambdp0", "'0'"),
+    ("resnet50in_dp64", "no optimizer"),
+    ("resnet50in_", "no optimizer"),
+    ("mnv4in_adamacc8x", "'adam' before 'acc'"),
+    ("resnet50in160x_lamb", "'160x'"),
+    ("resnet50in0_lamb", "'0'"),
+    ("resnet50in_lamb_dp", "unknown token '_'"),
+    ("rsb-a4", "unknown net in 'rsb-a4'"),
+]
+
+
+@pytest.mark.parametrize("name,piece", MALFORMED)
+def test_malformed_names_name_the_token(name, piece):
+    with pytest.raises(RecipeError) as e:
+        parse(name)
+    prefix = f"bad recipe name {name!r}: "
+    assert str(e.value).startswith(prefix)
+    assert piece in str(e.value)[len(prefix):]
+
+
+def test_expected_tokens_listed():
+    with pytest.raises(ValueError, match="expected one of: acc, dp, <k>x, <N>, wx, clip, drop, "
+                                         "do, bce, ls<a>, wd<d>, bf16$"):
+        parse("resnet50in_lambfoo")
+
+
+def test_incoherent_recipes_rejected():
+    for bad in (dict(net="vit", optimizer="lamb"), dict(net="mnv4", optimizer="adam"),
+                dict(net="mnv4", optimizer="lamb", accum=0),
+                dict(net="mnv4", optimizer="lamb", label_smoothing=1.0),
+                dict(net="mnv4", optimizer="lamb", weight_decay=10.0),
+                dict(net="mnv4", optimizer="lamb", ema_warmup="fast"),
+                dict(net="mnv4", optimizer="lamb", warmup_steps=200, total_steps=100)):
+        with pytest.raises(RecipeError):
+            Recipe(**bad)
+
+
+def test_presets():
+    assert set(PRESETS) == {"rsb-a1", "rsb-a2", "rsb-a3", "mnv4-conv-m"}
+    a1, a2, a3, m = (PRESETS[k] for k in ("rsb-a1", "rsb-a2", "rsb-a3", "mnv4-conv-m"))
+    assert [p.effective_batch(8) for p in (a1, a2, a3, m)] == [2048, 2048, 2048, 4096]
+    assert [p.epochs for p in (a1, a2, a3, m)] == [600, 300, 100, 500]
+    assert [p.train_res for p in (a1, a2, a3, m)] == [224, 224, 160, 256]
+    assert [(p.optimizer, p.lr, p.effective_weight_decay) for p in (a1, a2, a3, m)] == [
+        ("lamb", 5e-3, 0.01), ("lamb", 5e-3, 0.02), ("lamb", 8e-3, 0.02), ("adamw", 4e-3, 0.1)]
+    assert [p.loss for p in (a1, a2, a3, m)] == ["bce", "bce", "bce", "ce"]
+    assert [p.bce_threshold for p in (a1, a2, a3)] == [0.2, 0.2, None]
+    assert [p.effective_label_smoothing for p in (a1, a2, a3, m)] == [0.1, 0.0, 0.0, 0.1]
+    assert a1.drop and a2.drop and not a3.drop and m.drop and m.dropout
+    assert m.drop_path_rate == 0.075 and m.dropout_rate == 0.2
+    assert not any(p.ema for p in (a1, a2, a3, m))
+    assert a3.total_steps == 100 * (recipe.IMAGENET_TRAIN_IMAGES // 2048)
+    for key, p in PRESETS.items():
+        assert parse(key) is p
+        q = parse(p.name)  # the name is lossy for lr, epochs, ...: only its fields survive
+        assert q.name == p.name
+        assert all(getattr(q, f) == getattr(p, f) for f in
+                   ("net", "res", "optimizer", "accum", "dp", "batch", "wx", "bce",
+                    "label_smoothing", "weight_decay"))
+
+
+def test_describe_covers_every_field():
+    rows = dict(recipe.describe(PRESETS["rsb-a3"], replicas=8))
+    assert {f.name for f in dataclasses.fields(Recipe)} <= set(rows)
+    assert rows["name"] == "resnet50in160_lambdp256wxbcewd002"
+    assert rows["effective batch"].endswith("= 2048")
+    assert "effective batch" not in dict(recipe.describe(PRESETS["rsb-a3"], None))
+
+
+def test_cli_table(capsys):
+    assert main(["recipe", "resnet50in160_lambaccdp4x128wxclipbcebf16", "--replicas", "8"]) == 0
+    out = capsys.readouterr().out
+    for piece in ("resnet50in160_lambaccdp4x128wxclipbcebf16", "lamb", "N = 128", "k = 4",
+                  "4096", "BCE"):
+        assert piece in out
+    assert main(["recipe", "rsb-a2"]) == 0
+    out = capsys.readouterr().out
+    assert "resnet50in_lambdp256wxdropbcewd002" in out and "rep. aug 3" in out
+
+
+def test_cli_json(capsys):
+    assert main(["recipe", "mnv4in_accdp8x128wxdropdowd01bf16", "--replicas", "2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["name"] == "mnv4in_accdp8x128wxdropdowd01bf16"
+    assert (d["optimizer"], d["accum"], d["batch"], d["weight_decay"]) == ("adamw", 8, 128, 0.1)
+    assert d["effective_batch"] == 2 * 128 * 8 and d["loss"] == "ce"
+
+
+def test_cli_bad_name(capsys):
+    assert main(["recipe", "resnet50in_lambfoo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("twinstep: bad recipe name 'resnet50in_lambfoo': unknown token 'foo'")
+    assert err.count("\n") == 1
+
+
+def test_cli_help_lists_grammar_and_presets(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["recipe", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert recipe.GRAMMAR in out and all(k in out for k in PRESETS)
+    with pytest.raises(SystemExit) as e:
+        main(["recipe", "rsb-a1", "--replicas", "0"])
+    assert e.value.code == 2

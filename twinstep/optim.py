@@ -1,0 +1,102 @@
+"""The optimizers of SPEC §6: optax transforms composed to timm's / torch's update, and the LR.
+
+Parameters, gradients and updates are flat dicts {timm name: array}; every optimizer is one
+``optax.chain`` of optax's own transforms:
+
+  kind      timm / torch                       chain (after the optional global-norm clip)
+  lamb      timm Lamb (β .9/.999, ε 1e-6)      scale_by_adam, add_decayed_weights(mask),
+                                               masked(scale_by_trust_ratio, adapt), lr
+  adamw     torch AdamW (β .9/.999, ε 1e-8)    scale_by_adam, add_decayed_weights(mask), lr
+  momentum  torch SGD(momentum=.9)             add_decayed_weights(mask), trace(.9), lr
+  sgd       torch SGD(momentum=.9, nesterov)   add_decayed_weights(mask), trace(.9, nesterov), lr
+
+No custom transform was needed; where optax and timm could part, the composition decides:
+- timm's LAMB adapts (trust ratio ‖θ‖/‖r‖, 1 if either norm is 0) only the tensors whose group has
+  weight decay != 0 (``always_adapt=False``): with wx the 1-D tensors skip both the decay and the
+  trust ratio, and with weight_decay = 0 no tensor is adapted. optax.lamb would adapt every tensor,
+  hence the ``adapt`` mask.
+- timm's LAMB decay is L2 inside the update (r = m̂/(√v̂+ε) + wd θ, then the trust ratio), which
+  is add_decayed_weights between the Adam scaling and the trust ratio.
+- AdamW's decoupled θ ← θ(1 − lr wd) − lr m̂/(√v̂+ε) is the same as adding wd θ to the Adam
+  direction before the lr; SGD's coupled decay is the same transform placed before the momentum.
+- timm's LAMB clips inside the optimizer: g / max(‖g‖₂, 1), ‖g‖₂ over ALL tensors of all groups.
+  optax.clip_by_global_norm(1.0) is that exactly (g / ‖g‖ · 1 when ‖g‖ ≥ 1). For the other kinds
+  timm's train loop calls torch.nn.utils.clip_grad_norm_, whose factor is 1 / (‖g‖ + 1e-6): a
+  relative difference of 1e-6 / ‖g‖ in the clipped gradient, which we do not reproduce.
+- torch SGD's momentum buffer starts as the first gradient; optax.trace starts at zero and adds
+  the gradient, the same thing.
+"""
+
+from __future__ import annotations
+
+import optax
+
+KINDS = ("lamb", "adamw", "momentum", "sgd")
+CLIP_NORM = 1.0
+MOMENTUM = 0.9
+BETAS = (0.9, 0.999)
+EPS = {"lamb": 1e-6, "adamw": 1e-8}
+
+
+def decay_mask(params: dict, wx: bool) -> dict[str, bool]:
+    """True where weight decay applies. With wx the 1-D tensors (BN γ, β) and biases are excluded,
+    as timm's ``param_groups_weight_decay`` does (ndim <= 1 or a name ending ".bias")."""
+    return {n: not (wx and (len(p.shape) <= 1 or n.endswith(".bias"))) for n, p in params.items()}
+
+
+def lr_schedule(peak_lr: float, warmup_steps: int, total_steps: int, warmup_init: float = 0.0,
+                end_lr: float = 0.0) -> optax.Schedule:
+    """Linear warmup then cosine, indexed by the optimizer step s = 0, 1, … (optax's count: the
+    first update uses s = 0).
+
+    lr(s) = warmup_init + (peak_lr − warmup_init) s / W                      for s < W
+    lr(s) = end_lr + (peak_lr − end_lr) ½ (1 + cos(π (s − W) / (T − W)))     for W <= s <= T
+    lr(s) = end_lr                                                            for s >= T
+    with W = warmup_steps, T = total_steps. So lr(0) = warmup_init (to rounding: optax evaluates
+    (warmup_init − peak_lr)·1 + peak_lr; with W = 0, lr(0) = peak_lr),
+    lr(W) = peak_lr, and the last step of a T-step run (s = T − 1) takes
+    end_lr + (peak_lr − end_lr) ½ (1 − cos(π / (T − W))), just above end_lr.
+
+    Unlike timm's CosineLRScheduler (warmup_prefix=False), the cosine starts at the end of the
+    warmup rather than running over [0, T] from s = 0, so lr(W) is exactly peak_lr.
+    """
+    if not 0 <= warmup_steps < total_steps:
+        raise ValueError(f"need 0 <= warmup_steps < total_steps, got {warmup_steps}, {total_steps}")
+    return optax.warmup_cosine_decay_schedule(init_value=warmup_init, peak_value=peak_lr,
+                                              warmup_steps=warmup_steps, decay_steps=total_steps,
+                                              end_value=end_lr)
+
+
+def make_optimizer(kind: str, learning_rate, weight_decay: float, wx: bool, clip: bool,
+                   params: dict) -> optax.GradientTransformation:
+    """The optimizer ``kind`` (one of KINDS) with timm's / torch's semantics (module docstring).
+
+    learning_rate: a float or an optax schedule of the optimizer step. weight_decay: L2 for
+    lamb, momentum and sgd (added to the gradient / Adam direction), decoupled for adamw. wx:
+    exclude 1-D tensors from the decay (and, for lamb, from the trust ratio). clip: clip the
+    global gradient norm at 1.0 first. params: only their names and shapes are read (arrays or
+    ShapeDtypeStructs).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
+    mask = decay_mask(params, wx)
+    decay = [optax.add_decayed_weights(weight_decay, mask)] if weight_decay else []
+    chain = [optax.clip_by_global_norm(CLIP_NORM)] if clip else []
+    if kind == "lamb":
+        # timm adapts a tensor iff its group's weight decay is non-zero (always_adapt=False)
+        adapt = mask if weight_decay else {n: False for n in mask}
+        chain += [optax.scale_by_adam(*BETAS, eps=EPS[kind]), *decay]
+        if any(adapt.values()):
+            chain.append(optax.masked(optax.scale_by_trust_ratio(), adapt))
+    elif kind == "adamw":
+        chain += [optax.scale_by_adam(*BETAS, eps=EPS[kind]), *decay]
+    else:
+        chain += [*decay, optax.trace(decay=MOMENTUM, nesterov=kind == "sgd")]
+    chain.append(optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(*chain)
+
+
+def apply(opt: optax.GradientTransformation, grads: dict, opt_state, params: dict):
+    """One optimizer step: (new params, new optimizer state)."""
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state

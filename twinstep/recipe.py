@@ -1,0 +1,416 @@
+"""Recipes: a training configuration as a value with a name (SPEC §6).
+
+A `Recipe` is a frozen dataclass. Its name follows the grammar
+
+    <net><data>[<res>]_[ema]<opt>[acc][dp][<k>x][<N>][wx][clip][drop][do][bce][ls<a>][wd<d>][bf16]
+
+e.g. ``resnet50in160_lambaccdp4x128wxclipbcebf16``. `parse` reads a name (or a preset's name,
+``rsb-a1``) into a Recipe; `Recipe.name` writes it back. The replica count R is not in the name:
+it is the mesh the step is rendered for.
+
+One recipe has exactly one name, so `parse` accepts only the canonical spelling and says which
+token to change otherwise: an explicit ``32`` (the default N), ``adamacc`` (AdamW with
+accumulation is ``acc`` alone), leading zeros (``dp064``) and trailing zeros in a decimal
+(``wd010``) are rejected. With that, name -> recipe -> name round-trips exactly.
+
+The hyper-parameters not in the name take the defaults below (the SPEC §6 table and timm); the
+presets set them from the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from decimal import Decimal
+
+NET_RES = {"resnet50": 224, "mnv4": 256}  # the net's default train resolution
+DATASETS = {"in": "ImageNet-1k"}
+OPTIMIZERS = {  # optimizer -> its name token ("" for AdamW with accumulation: "acc" alone)
+    "lamb": "lamb", "adamw": "adam", "momentum": "mom", "sgd": "sgd"}
+OPTIMIZER_TEXT = {
+    "lamb": "LAMB: β 0.9/0.999, ε 1e-6, per-tensor trust ratio",
+    "adamw": "AdamW: β 0.9/0.999, ε 1e-8, decoupled decay",
+    "momentum": "SGD, heavy-ball momentum 0.9",
+    "sgd": "SGD, Nesterov momentum 0.9 (timm --opt sgd)"}
+DEFAULT_LR = {"lamb": 5e-3, "adamw": 4e-3, "momentum": 0.1, "sgd": 0.1}
+DEFAULT_WEIGHT_DECAY = {"lamb": 0.02, "adamw": 0.05, "momentum": 1e-4, "sgd": 1e-4}
+DEFAULT_DROP_PATH = {"resnet50": 0.05, "mnv4": 0.075}
+DEFAULT_BATCH = 32
+CE_LABEL_SMOOTHING = 0.1  # SPEC §4: CE smooths by 0.1 unless the name says otherwise; BCE by 0
+EMA_WARMUPS = ("none", "timm", "tf")
+IMAGENET_TRAIN_IMAGES = 1_281_167
+
+
+class RecipeError(ValueError):
+    """A malformed recipe name or an incoherent recipe."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """One training configuration. The fields up to `bf16` are the name's; the rest are not in
+    the name, so `Recipe.name` is lossy for them (a preset's name parses back to a recipe with
+    the default lr, epochs, ...).
+
+    Defaults not in the name: `lr` None -> the optimizer's (LAMB 5e-3, AdamW 4e-3, SGD 0.1: the
+    table's and timm's), `drop_path_rate` None -> the net's (ResNet-50 0.05, MNv4 0.075), both
+    always floats after construction (pass None to `dataclasses.replace` to re-derive them);
+    `dropout_rate` 0.2; `bce_threshold` None (timm ``--bce-target-thresh``); EMA decay 0.9999 with
+    no warmup; 10 warmup steps of 100 — a smoke run's schedule, the presets set the real one.
+    """
+
+    net: str
+    dataset: str = "in"
+    res: int | None = None  # None: the net's default train resolution, omitted from the name
+    optimizer: str  # lamb | adamw | momentum | sgd
+    accum: int = 1  # k micro-steps per optimizer step
+    dp: bool = False  # data-parallel with sync-BN
+    batch: int = DEFAULT_BATCH  # N per replica
+    wx: bool = False  # no weight decay on 1-D tensors
+    clip: bool = False  # global-norm clip at 1.0 of the averaged gradient
+    drop: bool = False  # stochastic depth
+    dropout: bool = False  # classifier dropout
+    bce: bool = False
+    label_smoothing: float | None = None  # None: CE 0.1, BCE 0
+    weight_decay: float | None = None  # None: the optimizer's default
+    bf16: bool = False
+    ema: bool = False
+    # --- not in the name
+    lr: float | None = None
+    drop_path_rate: float | None = None  # used only with drop
+    dropout_rate: float = 0.2  # used only with dropout
+    bce_threshold: float | None = None  # used only with bce
+    ema_decay: float = 0.9999
+    ema_warmup: str = "none"  # none | timm | tf (SPEC §6)
+    warmup_steps: int = 10
+    total_steps: int = 100
+    epochs: int | None = None
+    augment: str = ""  # informational only
+
+    def __post_init__(self):
+        def fail(msg):
+            raise RecipeError(f"bad recipe: {msg}")
+
+        def put(field, value):
+            object.__setattr__(self, field, value)
+
+        if self.net not in NET_RES:
+            fail(f"net {self.net!r}; expected one of: {', '.join(NET_RES)}")
+        if self.dataset not in DATASETS:
+            fail(f"dataset {self.dataset!r}; expected one of: {', '.join(DATASETS)}")
+        if self.optimizer not in OPTIMIZERS:
+            fail(f"optimizer {self.optimizer!r}; expected one of: {', '.join(OPTIMIZERS)}")
+        if self.ema_warmup not in EMA_WARMUPS:
+            fail(f"ema_warmup {self.ema_warmup!r}; expected one of: {', '.join(EMA_WARMUPS)}")
+        if self.lr is None:
+            put("lr", DEFAULT_LR[self.optimizer])
+        if self.drop_path_rate is None:
+            put("drop_path_rate", DEFAULT_DROP_PATH[self.net])
+        for field in ("label_smoothing", "weight_decay", "lr", "drop_path_rate", "dropout_rate",
+                      "bce_threshold", "ema_decay"):
+            value = getattr(self, field)
+            if value is not None:
+                put(field, float(value) + 0.0)  # ints to floats, -0.0 to 0.0
+        for field, low in (("res", 1), ("accum", 1), ("batch", 1), ("warmup_steps", 0),
+                           ("total_steps", 1), ("epochs", 1)):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < low):
+                fail(f"{field} = {value!r}; expected an int >= {low}")
+        for field, low, high in (("label_smoothing", 0, 1), ("weight_decay", 0, 10),
+                                 ("drop_path_rate", 0, 1), ("dropout_rate", 0, 1),
+                                 ("bce_threshold", 0, 1), ("ema_decay", 0, 1)):
+            value = getattr(self, field)
+            if value is not None and not low <= value < high:
+                fail(f"{field} = {value!r}; expected {low} <= {field} < {high}")
+        if not self.lr > 0:
+            fail(f"lr = {self.lr!r}; expected > 0")
+        if self.warmup_steps > self.total_steps:
+            fail(f"warmup_steps {self.warmup_steps} > total_steps {self.total_steps}")
+
+    @property
+    def name(self) -> str:
+        """The canonical grammar name (lossy for the fields not in the name)."""
+        k = self.accum
+        parts = [self.net, self.dataset, "" if self.res is None else str(self.res), "_",
+                 "ema" if self.ema else "",
+                 "" if self.optimizer == "adamw" and k > 1 else OPTIMIZERS[self.optimizer],
+                 "acc" if k > 1 else "", "dp" if self.dp else "", f"{k}x" if k > 1 else "",
+                 "" if self.batch == DEFAULT_BATCH else str(self.batch),
+                 "wx" if self.wx else "", "clip" if self.clip else "",
+                 "drop" if self.drop else "", "do" if self.dropout else "",
+                 "bce" if self.bce else ""]
+        if self.label_smoothing is not None:
+            parts.append("ls" + _decimal_digits(self.label_smoothing))
+        if self.weight_decay is not None:
+            parts.append("wd" + _decimal_digits(self.weight_decay))
+        parts.append("bf16" if self.bf16 else "")
+        return "".join(parts)
+
+    @property
+    def train_res(self) -> int:
+        return NET_RES[self.net] if self.res is None else self.res
+
+    @property
+    def loss(self) -> str:
+        return "bce" if self.bce else "ce"
+
+    @property
+    def effective_weight_decay(self) -> float:
+        """The name's wd, else the optimizer's default (LAMB 0.02 as RSB A2/A3, AdamW 0.05 as
+        timm's default, SGD 1e-4 as the classic ResNet recipe)."""
+        wd = self.weight_decay
+        return DEFAULT_WEIGHT_DECAY[self.optimizer] if wd is None else wd
+
+    @property
+    def effective_label_smoothing(self) -> float:
+        """The name's α, else 0.1 for CE and 0 for BCE (SPEC §4)."""
+        if self.label_smoothing is not None:
+            return self.label_smoothing
+        return 0.0 if self.bce else CE_LABEL_SMOOTHING
+
+    def effective_batch(self, replicas: int) -> int:
+        """Examples per optimizer step: R·N·k."""
+        return replicas * self.batch * self.accum
+
+
+def _decimal_digits(x: float) -> str:
+    """0.05 -> '005', 0.1 -> '01', 1.0 -> '1', 0.0 -> '0': the digits of x with the point after
+    the first one dropped (x < 10). Exact: repr round-trips, and so does its decimal expansion."""
+    whole, _, frac = format(Decimal(repr(x)), "f").partition(".")
+    assert len(whole) == 1, x
+    return whole + frac.rstrip("0")
+
+
+def _read_decimal(digits: str) -> float:
+    return float(digits[0] + "." + digits[1:])
+
+
+# The step tokens after '_', in grammar order: (label, pattern). A name is read by a loop that
+# takes at each position the longest token that matches; it must come later in this list than
+# the one before it.
+STEP_TOKENS = (
+    ("ema", re.compile("ema")),
+    ("<opt>", re.compile("lamb|adam|mom|sgd")),
+    ("acc", re.compile("acc")),
+    ("dp", re.compile("dp")),
+    ("<k>x", re.compile(r"(\d+)x")),
+    ("<N>", re.compile(r"(\d+)")),
+    ("wx", re.compile("wx")),
+    ("clip", re.compile("clip")),
+    ("drop", re.compile("drop")),
+    ("do", re.compile("do")),
+    ("bce", re.compile("bce")),
+    ("ls<a>", re.compile(r"ls(\d*)")),
+    ("wd<d>", re.compile(r"wd(\d*)")),
+    ("bf16", re.compile("bf16")),
+)
+GRAMMAR = ("<net><data>[<res>]_[ema]<opt>[acc][dp][<k>x][<N>][wx][clip][drop][do][bce][ls<a>]"
+           "[wd<d>][bf16]")
+
+
+def _expected(start: int) -> str:
+    labels = [label for label, _ in STEP_TOKENS[start:]]
+    return ", ".join("lamb, adam, mom, sgd" if x == "<opt>" else x for x in labels)
+
+
+def _longest(s: str, pos: int):
+    """(index into STEP_TOKENS, match) of the longest token at pos, or None."""
+    best = None
+    for j, (_, pattern) in enumerate(STEP_TOKENS):
+        m = pattern.match(s, pos)
+        if m and (best is None or m.end() > best[1].end()):
+            best = (j, m)
+    return best
+
+
+def _tokenize(name: str, tail: str, after: str) -> dict[str, re.Match]:
+    """The step tokens of `tail` by label, checking order, repetition and unknown text."""
+
+    def fail(msg):
+        raise RecipeError(f"bad recipe name {name!r}: {msg}")
+
+    found: dict[str, re.Match] = {}
+    pos, nxt = 0, 0  # nxt: the first STEP_TOKENS index still allowed
+    while pos < len(tail):
+        hit = _longest(tail, pos)
+        if hit is None:
+            end = pos + 1
+            while end < len(tail) and _longest(tail, end) is None:
+                end += 1
+            fail(f"unknown token {tail[pos:end]!r} after {after!r}; expected one of: "
+                 f"{_expected(nxt)}")
+        j, m = hit
+        label = STEP_TOKENS[j][0]
+        if j < nxt:
+            why = "repeated" if label in found else f"out of order (it goes before {after!r})"
+            fail(f"token {m.group()!r} {why}; grammar: {GRAMMAR}")
+        found[label] = m
+        pos, nxt, after = m.end(), j + 1, m.group()
+    return found
+
+
+def _read_int(name: str, token: str, digits: str) -> int:
+    if str(int(digits)) != digits:
+        raise RecipeError(f"bad recipe name {name!r}: token {token!r} has a leading zero")
+    return int(digits)
+
+
+def _parse_grammar(name: str) -> Recipe:
+    def fail(msg):
+        raise RecipeError(f"bad recipe name {name!r}: {msg}")
+
+    if not name:
+        fail(f"empty; expected {GRAMMAR}")
+    head, sep, tail = name.partition("_")
+    net = next((n for n in NET_RES if head.startswith(n)), None)
+    if net is None:
+        fail(f"unknown net in {head!r}; expected one of: {', '.join(NET_RES)}")
+    if not sep:
+        fail(f"missing '_' after <net><data>[<res>]; expected {GRAMMAR}")
+    m = re.compile("[a-z]*").match(head, len(net))
+    dataset, res_digits = m.group(), head[m.end():]
+    if dataset not in DATASETS:
+        fail(f"unknown dataset {dataset!r} after {net!r}; expected one of: {', '.join(DATASETS)}")
+    if res_digits and not res_digits.isdigit():
+        fail(f"unknown token {res_digits!r} after {net + dataset!r}; expected <res> digits")
+    res = _read_int(name, res_digits, res_digits) if res_digits else None
+    if res == 0:
+        fail(f"resolution {res_digits!r} must be >= 1")
+    tok = _tokenize(name, tail, head + "_")
+
+    opt, acc, kx = tok.get("<opt>"), tok.get("acc"), tok.get("<k>x")
+    if opt is None and acc is None:
+        fail(f"no optimizer after {head + '_'!r}; expected one of: lamb, adam, mom, sgd, "
+             "or 'acc' alone for AdamW with accumulation")
+    if opt is not None and opt.group() == "adam" and acc is not None:
+        fail("token 'adam' before 'acc': AdamW with accumulation is written 'acc' alone")
+    if acc is not None and kx is None:
+        fail("token 'acc' needs '<k>x' (k >= 2 micro-steps) after it")
+    if kx is not None and acc is None:
+        fail(f"token {kx.group()!r} needs 'acc' before it")
+    accum = 1
+    if kx is not None:
+        accum = _read_int(name, kx.group(), kx.group(1))
+        if accum < 2:
+            fail(f"token {kx.group()!r}: accumulation needs k >= 2")
+    batch = DEFAULT_BATCH
+    if (n := tok.get("<N>")) is not None:
+        batch = _read_int(name, n.group(), n.group())
+        if batch == DEFAULT_BATCH:
+            fail(f"token {n.group()!r} is the default N; omit it")
+        if batch < 1:
+            fail(f"token {n.group()!r}: N must be >= 1")
+    decimals = {}
+    for label, field, high in (("ls<a>", "label_smoothing", 1), ("wd<d>", "weight_decay", 10)):
+        if (m := tok.get(label)) is None:
+            continue
+        text, digits = m.group(), m.group(1)
+        if not digits:
+            fail(f"token {text!r} needs digits, e.g. {text}005 = 0.05")
+        value = _read_decimal(digits)
+        if value >= high:
+            fail(f"token {text!r} = {value} is out of range (< {high})")
+        if _decimal_digits(value) != digits:
+            fail(f"token {text!r} is not canonical; write {text[:2] + _decimal_digits(value)!r}")
+        decimals[field] = value
+    optimizer = "adamw" if opt is None else {t: o for o, t in OPTIMIZERS.items()}[opt.group()]
+    return Recipe(net=net, dataset=dataset, res=res, optimizer=optimizer, accum=accum,
+                  dp="dp" in tok, batch=batch, wx="wx" in tok, clip="clip" in tok,
+                  drop="drop" in tok, dropout="do" in tok, bce="bce" in tok,
+                  bf16="bf16" in tok, ema="ema" in tok, **decimals)
+
+
+def parse(name: str) -> Recipe:
+    """The recipe a grammar name (or a preset's name) stands for; RecipeError names the token
+    that is wrong."""
+    if name in PRESETS:
+        return PRESETS[name]
+    return _parse_grammar(name)
+
+
+def _preset(epochs: int, global_batch: int, replicas: int = 8, **fields) -> Recipe:
+    """A table row (SPEC §6) as dp at N = global / R with k = 1 on R = 8, its schedule per
+    optimizer step: timm's drop-last epoch of ImageNet, 5 warmup epochs, cosine to the end."""
+    per_epoch = IMAGENET_TRAIN_IMAGES // global_batch
+    return Recipe(dp=True, batch=global_batch // replicas, wx=True, epochs=epochs,
+                  warmup_steps=5 * per_epoch, total_steps=epochs * per_epoch, **fields)
+
+
+# The accuracy anchors of SPEC §6. wx: timm excludes 1-D tensors from decay by default. No clip
+# (timm's LAMB clips at 1.0 internally), no EMA, f32: precision is the render's choice, not the
+# recipe's accuracy.
+PRESETS: dict[str, Recipe] = {
+    "rsb-a1": _preset(600, 2048, net="resnet50", optimizer="lamb", lr=5e-3, weight_decay=0.01,
+                      bce=True, bce_threshold=0.2, label_smoothing=0.1, drop=True,
+                      drop_path_rate=0.05, augment="mixup .2, RandAug m7, rep. aug 3"),
+    "rsb-a2": _preset(300, 2048, net="resnet50", optimizer="lamb", lr=5e-3, weight_decay=0.02,
+                      bce=True, bce_threshold=0.2, drop=True, drop_path_rate=0.05,
+                      augment="mixup .1, cutmix 1, RandAug m6 mstd .5, rep. aug 3"),
+    "rsb-a3": _preset(100, 2048, net="resnet50", res=160, optimizer="lamb", lr=8e-3,
+                      weight_decay=0.02, bce=True,
+                      augment="mixup .1, cutmix 1, RandAug m6 mstd .5"),
+    "mnv4-conv-m": _preset(500, 4096, net="mnv4", optimizer="adamw", lr=4e-3, weight_decay=0.1,
+                           label_smoothing=0.1, drop=True, drop_path_rate=0.075, dropout=True,
+                           dropout_rate=0.2, augment="RandAug m15"),
+}
+
+REFERENCE_NAMES = (
+    "resnet50in160_lambaccdp4x128wxclipbcebf16",
+    "resnet50in160_lambaccdp8x64wxclipbce",
+    "resnet50in_lambaccdp4x128wxclipdropbce",
+    "resnet50in_emalambaccdp4x128wxclipdropbce",
+    "resnet50in_momdp64",
+    "mnv4in_emaaccdp8x128wxdowd005bf16",
+    "mnv4in_accdp8x128wxdropdowd01bf16",
+    "mnv4in_adamdp64",
+)
+
+
+def describe(recipe: Recipe, replicas: int | None = None) -> list[tuple[str, str]]:
+    """(field, value) rows for printing: every field, the canonical name, and R·N·k when R is
+    given."""
+    r = recipe
+
+    def yes(flag: bool, text: str) -> str:
+        return text if flag else "no"
+
+    wd = r.effective_weight_decay
+    ls = r.effective_label_smoothing
+    rows = [
+        ("name", r.name),
+        ("net", r.net),
+        ("dataset", f"{r.dataset} ({DATASETS[r.dataset]})"),
+        ("res", f"{r.train_res}" + (" (the net's default)" if r.res is None else "")),
+        ("optimizer", f"{r.optimizer} ({OPTIMIZER_TEXT[r.optimizer]})"),
+        ("lr", f"{r.lr:g}" + (" (the optimizer's default)" if r.lr == DEFAULT_LR[r.optimizer]
+                               else "")),
+        ("weight_decay", f"{wd:g}" + (" (the optimizer's default)" if r.weight_decay is None
+                                      else "")),
+        ("wx", yes(r.wx, "yes: no weight decay on 1-D tensors")),
+        ("accum", f"k = {r.accum}" + (" micro-steps per optimizer step" if r.accum > 1 else "")),
+        ("dp", yes(r.dp, "yes: data-parallel, synchronised BatchNorm")),
+        ("batch", f"N = {r.batch} per replica"),
+    ]
+    if replicas is not None:
+        rows.append(("effective batch", f"R·N·k = {replicas}·{r.batch}·{r.accum} = "
+                                        f"{r.effective_batch(replicas)}"))
+    rows += [
+        ("clip", yes(r.clip, "yes: global norm 1.0 of the averaged gradient")),
+        ("drop", yes(r.drop, "yes: stochastic depth")),
+        ("drop_path_rate", f"{r.drop_path_rate:g}" + ("" if r.drop else " (unused)")),
+        ("dropout", yes(r.dropout, "yes: classifier dropout")),
+        ("dropout_rate", f"{r.dropout_rate:g}" + ("" if r.dropout else " (unused)")),
+        ("bce", "yes: BCE-with-logits" if r.bce else "no: softmax CE"),
+        ("bce_threshold", "none" if r.bce_threshold is None else f"{r.bce_threshold:g}"),
+        ("label_smoothing", f"{ls:g}" + (" (the loss's default)" if r.label_smoothing is None
+                                         else "")),
+        ("bf16", "yes: bf16 conv operands and results" if r.bf16 else "no: f32"),
+        ("ema", yes(r.ema, "yes: EMA of weights and running statistics")),
+        ("ema_decay", f"{r.ema_decay:g}" + ("" if r.ema else " (unused)")),
+        ("ema_warmup", r.ema_warmup + ("" if r.ema else " (unused)")),
+        ("warmup_steps", f"{r.warmup_steps:,} (linear)"),
+        ("total_steps", f"{r.total_steps:,} (cosine)"),
+        ("epochs", "-" if r.epochs is None else str(r.epochs)),
+        ("augment", r.augment or "-"),
+    ]
+    return rows
