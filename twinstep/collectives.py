@@ -26,7 +26,9 @@ CONTROLS = {
     "shard-gamma": "BN's gamma gradient reads this shard's statistics, not the global ones",
     "sum": "every replica collective sums where it must average",
     "wrong-divisor": "each replica divides its loss by the global batch R*N",
+    "replicated-masks": "every replica takes the first N rows of the drop-path / dropout masks",
 }
+MASK_CONTROLS = ("replicated-masks",)  # visible only when a recipe draws masks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +69,15 @@ class Replicas:
     def grad_mean(self, grads):
         """The parameter-gradient collective: each leaf all-reduced by its mean, exactly once."""
         return jax.tree.map(self.mean, grads)
+
+    def shard_rows(self, x: jax.Array, axis: int = 0) -> jax.Array:
+        """This replica's rows of ``x`` drawn for the GLOBAL batch (``axis`` holds R*N rows):
+        masks are drawn once for the global batch and sharded with it."""
+        if not self.synced:
+            return x
+        n = x.shape[axis] // self.count
+        start = 0 if self.control == "replicated-masks" else self.index() * n
+        return lax.dynamic_slice_in_dim(x, start, n, axis)
 
     def index(self) -> jax.Array | int:
         """This replica's position on the axis (0 on one device)."""

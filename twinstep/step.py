@@ -1,17 +1,30 @@
-"""The train step: where forward, loss, backward and the gradient collective meet.
+"""The train step: where forward, loss, backward, the gradient collective and the optimizer meet.
 
 `grad_step` is ONE function for both twins: called with the single-device context it is the
 step at the global batch; called inside ``shard_map`` with a `Replicas` context it is the
 replica step — BN synchronised at its sites (ops/batchnorm), the loss divided by THIS replica's
 batch, every parameter gradient all-reduced by its mean exactly once, and the reported loss the
 mean of the replicas' losses.
+
+`train_step` is the whole step of a recipe (SPEC §6): k micro-steps of `grad_step` (BN statistics
+per micro-batch, running statistics at momentum 1 - (1 - m)^(1/k) per micro-step, gradients
+averaged over k), then the clip and the optimizer (`twinstep.optim`), then the EMA of weights
+and running statistics (`twinstep.ema`). After the collective every replica holds the same
+gradient, so everything after it leaves every replica with the same state. Drop-path and dropout
+masks are drawn for the GLOBAL batch from the step's key and sharded with the batch.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
+import optax
+
+from twinstep import ema, optim
 from twinstep.nets import layers
+from twinstep.ops import batchnorm, elementwise
 from twinstep.ops import loss as losses
 
 
@@ -33,15 +46,119 @@ def loss_and_cotangent(kind: str, logits, targets, divisor, alpha: float = 0.1):
 
 
 def grad_step(net, params: dict, buffers: dict, x, targets, ctx: layers.Ctx, loss: str = "ce",
-              masks: dict | None = None, collective: bool = True) -> StepOut:
+              masks: dict | None = None, collective: bool = True,
+              alpha: float = losses.LABEL_SMOOTHING,
+              momentum: float = batchnorm.MOMENTUM) -> StepOut:
     """x [N, H, W, 3], targets [N, K] -> StepOut. ``masks``: keyword masks of net.forward
     (drop_path, dropout), this replica's rows of masks drawn for the global batch.
-    ``collective=False`` returns this replica's own gradient nodes (to measure them)."""
+    ``collective=False`` returns this replica's own gradient nodes (to measure them).
+    alpha: CE label smoothing; momentum: the running statistics' update."""
     rep = ctx.replicas
     logits, tape, stats = net.forward(params, buffers, x, ctx, **(masks or {}))
     n = x.shape[0] * (rep.count if rep.control == "wrong-divisor" else 1)
     value, dlogits = loss_and_cotangent(loss, logits, targets.astype(logits.dtype),
-                                        losses.loss_divisor(loss, n, logits.shape[-1]))
+                                        losses.loss_divisor(loss, n, logits.shape[-1]), alpha)
     grads = net.backward(tape, dlogits)
     grads = rep.grad_mean(grads) if collective else grads
-    return StepOut(rep.mean(value), grads, stats, layers.update_running(buffers, stats), logits)
+    return StepOut(rep.mean(value), grads, stats,
+                   layers.update_running(buffers, stats, momentum), logits)
+
+
+# ----------------------------------------------------------------------- the whole train step
+
+
+class TrainState(NamedTuple):
+    """Everything a step carries, identical on every replica. ``ema`` is (params, buffers) or
+    None."""
+
+    step: jax.Array  # optimizer steps taken (int32 scalar)
+    params: dict
+    buffers: dict
+    opt_state: object
+    ema: tuple | None
+
+
+def make_optimizer(recipe, params: dict) -> optax.GradientTransformation:
+    """The recipe's clip + optimizer, learning rate warmed up then cosine per optimizer step."""
+    schedule = optim.lr_schedule(recipe.lr, recipe.warmup_steps, recipe.total_steps)
+    return optim.make_optimizer(recipe.optimizer, schedule, recipe.effective_weight_decay,
+                                recipe.wx, recipe.clip, params)
+
+
+def init_state(recipe, params: dict, buffers: dict, opt: optax.GradientTransformation):
+    return TrainState(jnp.zeros((), jnp.int32), params, buffers, opt.init(params),
+                      ema.ema_init(params, buffers) if recipe.ema else None)
+
+
+def draw_masks(net, recipe, key, rows: int, dtype) -> dict:
+    """The recipe's regularisation masks for a GLOBAL batch of ``rows`` examples, as net.forward
+    takes them (drop-path [sites, rows], dropout [rows, features]); {} when it has none."""
+    masks = {}
+    if recipe.dropout and "dropout" not in net.forward.__code__.co_varnames:
+        raise ValueError(f"{net.NAME} has no classifier dropout; drop 'do' from the recipe")
+    kd, ko = jax.random.split(key)
+    if recipe.drop:
+        rates = net.drop_path_rates(recipe.drop_path_rate)
+        keys = jax.random.split(kd, len(rates))
+        masks["drop_path"] = jnp.stack([elementwise.keep_mask(k, (rows,), r, dtype)
+                                        for k, r in zip(keys, rates, strict=True)])
+    if recipe.dropout:
+        masks["dropout"] = elementwise.keep_mask(ko, (rows, net.FEATURES), recipe.dropout_rate,
+                                                 dtype)
+    return masks
+
+
+MASK_BATCH_AXIS = {"drop_path": 1, "dropout": 0}
+
+
+def _shard_masks(masks: dict, rep, row_order=None) -> dict:
+    if row_order is not None:  # the same examples in another order keep their masks
+        masks = {k: jnp.take(m, row_order, MASK_BATCH_AXIS[k]) for k, m in masks.items()}
+    return {k: rep.shard_rows(m, MASK_BATCH_AXIS[k]) for k, m in masks.items()}
+
+
+def accumulate(net, recipe, params: dict, buffers: dict, xs, ts, key, ctx: layers.Ctx,
+               row_order=None):
+    """k micro-steps: xs [k, N, S, S, 3], ts [k, N, K] (this replica's rows). Returns (mean
+    gradient over the k micro-steps, running statistics after them, mean loss). Each micro-step
+    normalises over its own R*N rows and moves the running statistics at 1 - (1 - m)^(1/k).
+    row_order [N] (one device only): the rows are the global batch's in this order — the tie's
+    noise floor reorders a batch and its masks alike."""
+    k, n = xs.shape[0], xs.shape[1]
+    rep = ctx.replicas
+    momentum = 1.0 - (1.0 - batchnorm.MOMENTUM) ** (1.0 / k)
+    alpha = recipe.effective_label_smoothing
+    ts = (losses.bce_targets(ts, alpha, recipe.bce_threshold) if recipe.loss == "bce" else ts)
+
+    def micro(carry, inp):
+        grads, bufs, total = carry
+        x, t, i = inp
+        masks = draw_masks(net, recipe, jax.random.fold_in(key, i), n * rep.count, x.dtype)
+        out = grad_step(net, params, bufs, x, t, ctx, recipe.loss,
+                        _shard_masks(masks, rep, row_order), alpha=alpha, momentum=momentum)
+        grads = jax.tree.map(lambda a, g: a + g, grads, out.grads)
+        return (grads, out.buffers, total + out.loss), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, buffers, total), _ = jax.lax.scan(
+        micro, (zeros, buffers, jnp.zeros((), xs.dtype)), (xs, ts, jnp.arange(k)))
+    return jax.tree.map(lambda g: g / k, grads), buffers, total / k
+
+
+def train_step(net, recipe, opt: optax.GradientTransformation, state: TrainState, xs, ts, key,
+               ctx: layers.Ctx, row_order=None) -> tuple[TrainState, dict]:
+    """One optimizer step of ``recipe``: xs [k, N, S, S, 3], ts [k, N, K] soft targets (this
+    replica's rows of the global micro-batches), key the step's key (the same on every replica).
+    Returns (new state, {"loss", "lr"}). row_order: see `accumulate`."""
+    grads, buffers, loss = accumulate(net, recipe, state.params, state.buffers, xs, ts, key, ctx,
+                                      row_order)
+    updates, opt_state = opt.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    step = state.step + 1
+    averaged = state.ema
+    if averaged is not None:
+        kw = {"decay": recipe.ema_decay, "warmup": recipe.ema_warmup}
+        averaged = (ema.ema_update(averaged[0], params, step, **kw),
+                    ema.ema_update(averaged[1], buffers, step, **kw))
+    lr = optim.lr_schedule(recipe.lr, recipe.warmup_steps, recipe.total_steps)(state.step)
+    return TrainState(step, params, buffers, opt_state, averaged), {"loss": loss, "lr": lr}

@@ -63,6 +63,7 @@ class TieConfig:
     shift: bool = True
     control: str = "none"
     fast_compile: bool = False  # dp.FAST_COMPILE: same numerics, compile-dominated runs faster
+    recipe: str | None = None  # whole-step ties (`run_steps_tie`): the recipe's name
 
 
 def rel(a, b) -> float:
@@ -331,3 +332,162 @@ def print_report(report: TieReport, show_all: bool = False, seconds: float | Non
     took = f" ({seconds:.0f} s)" if seconds is not None else ""
     colour = "green" if report.ok else "red"
     console.print(f"[{colour}]{report.verdict()}[/]{took}")
+
+
+# ------------------------------------------------------------------ the tie over whole steps
+
+
+def _named_leaves(tree, prefix: str) -> dict:
+    """{group: {leaf name: array}}: the leaves of a state tree grouped by their parent, so that a
+    dict of per-parameter arrays (params, Adam's mu and nu, momentum traces, EMA) stays one
+    group keyed by timm names, and `grad_err`'s structural-zero rule applies inside it."""
+    groups: dict = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts = [prefix] + [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                            for k in path]
+        groups.setdefault("/".join(parts[:-1]), {})[parts[-1]] = leaf
+    return groups
+
+
+def compare_states(ours, ref, moved: tuple, floor: float) -> list:
+    """One row per state tensor (params, buffers, optimizer state, EMA, step counter), bound
+    max(floor, 10 x SENSITIVITY): SENSITIVITY is how far the single device's own trajectories
+    ``moved`` (nudged inputs; reordered batches) move from ``ref`` — a trained state inherits
+    the conditioning of every step before it, and Adam-type updates divide each element by its
+    own magnitude, so a tiny gradient element's rounding becomes an O(lr) parameter change."""
+    rows = []
+    for field in ours._fields:
+        a_groups, b_groups = (_named_leaves(getattr(st, field), field) for st in (ours, ref))
+        m_groups = [_named_leaves(getattr(st, field), field) for st in moved]
+        for group, b in b_groups.items():
+            a = a_groups[group]
+            for name in b:
+                err = grad_err(name, a, b)
+                sens = max(grad_err(name, m[group], b) for m in m_groups)
+                bound = max(floor, SENSITIVITY_FACTOR * sens)
+                rows.append({"name": f"{group}/{name}", "shape": list(np.shape(b[name])),
+                             "rel_err": err, "sensitivity": sens, "bound": bound,
+                             "ok": err <= bound})
+    return rows
+
+
+@dataclasses.dataclass
+class StepsReport:
+    config: TieConfig
+    steps: list  # per step: {"step", "rows": [...], "loss": {...}}
+
+    @property
+    def ok(self) -> bool:
+        return all(r["ok"] for s in self.steps for r in s["rows"]) and all(
+            s["loss"]["ok"] for s in self.steps)
+
+    def verdict(self) -> str:
+        rows = [(r, s["step"]) for s in self.steps for r in s["rows"]]
+        worst, at = max(rows, key=lambda rs: rs[0]["rel_err"])
+        last = self.steps[-1]["rows"]
+        head = "tied" if self.ok else "NOT tied"
+        text = (f"{head} over {len(self.steps)} steps: {sum(r['ok'] for r in last)}/{len(last)} "
+                f"state tensors after the last; worst rel err {worst['rel_err']:.1e} "
+                f"({worst['name']}, step {at})")
+        if not self.ok:
+            bad = [f"{r['name']} (step {s})" for r, s in rows if not r["ok"]][:3]
+            text += "; first failing: " + ", ".join(bad)
+        return text
+
+    def to_json(self) -> dict:
+        return {"verdict": self.verdict(), "ok": self.ok, "config": dataclasses.asdict(self.config),
+                "steps": self.steps}
+
+
+def train_programs(net, recipe, cfg: TieConfig, prec: Precision, opt):
+    """(single-device, replica) jitted `step.train_step` of the recipe."""
+    single_ctx = layers.Ctx(SINGLE, prec)
+    rep_ctx = layers.Ctx(dp.replicas(cfg.replicas, cfg.control), prec)
+
+    def single(state, xs, ts, key, row_order):
+        return step.train_step(net, recipe, opt, state, xs, ts, key, single_ctx, row_order)
+
+    def replica(state, xs, ts, key):
+        return step.train_step(net, recipe, opt, state, xs, ts, key, rep_ctx)
+
+    r, s = dp.REPLICATED, jax.sharding.PartitionSpec(None, dp.AXIS)  # micro-batches [k, R N]
+    return (dp.jit(single, cfg.fast_compile),
+            dp.replica_map(replica, cfg.replicas, (r, s, s, r), (r, r), cfg.fast_compile))
+
+
+def run_steps_tie(cfg: TieConfig, recipe, steps: int, net=None) -> StepsReport:
+    """S whole training steps of ``recipe`` (k micro-steps each) on R replicas of N and on one
+    device at R N, from the same state and the same global batches and keys; every state tensor
+    compared after every step (f64: max(1e-10, 10 x SENSITIVITY) norm-relative per tensor, see
+    `compare_states`)."""
+    from twinstep.nets import get_net
+
+    net = net or get_net(cfg.net)
+    if cfg.precision != "f64":
+        raise ValueError("whole-step ties run in f64 (bf16's boundary: tie --precision bf16)")
+    prec = tie_precision(cfg.precision)
+    params, buffers, _, _ = setup(cfg, net)
+    opt = step.make_optimizer(recipe, params)
+    state = step.init_state(recipe, params, buffers, opt)
+    single, replica = train_programs(net, recipe, cfg, prec, opt)
+    rng = np.random.default_rng(cfg.seed + 1)
+    n, k = cfg.replicas * cfg.batch, recipe.accum
+    ours, ref, nudged, reordered = state, state, state, state
+    order, reverse = np.arange(n), np.arange(n)[::-1]
+    report = StepsReport(cfg, [])
+    for s in range(steps):
+        xs = rng.standard_normal((k, n, cfg.res, cfg.res, 3))
+        if cfg.shift:
+            xs = np.stack([dp.shift_shards(x, cfg.replicas, 1.0) for x in xs])
+        lam = rng.uniform(0.3, 1.0, (k, n, 1))
+        a, b = (np.eye(cfg.classes)[rng.integers(0, cfg.classes, (k, n))] for _ in range(2))
+        xs, ts = jnp.asarray(xs, prec.dtype), jnp.asarray(lam * a + (1 - lam) * b, prec.dtype)
+        key = jax.random.fold_in(jax.random.key(cfg.seed), s)
+        u = jax.random.normal(jax.random.fold_in(key, 1), xs.shape, xs.dtype)
+        ref, ref_m = single(ref, xs, ts, key, order)
+        # the noise floor: the single device's own trajectory under a rounding-sized input nudge
+        # and with every batch reversed (its masks reordered alike) — the same mathematics
+        nudged, nudged_m = single(nudged, xs * (1 + perturbation(xs.dtype) * u), ts, key, order)
+        reordered, reordered_m = single(reordered, xs[:, ::-1], ts[:, ::-1], key, reverse)
+        ours, our_m = replica(ours, xs, ts, key)
+
+        def loss_rel(m, ref_m=ref_m):
+            return abs(float(m["loss"]) - float(ref_m["loss"])) / abs(float(ref_m["loss"]))
+
+        loss_bound = max(F64_STAT_BOUND, SENSITIVITY_FACTOR * max(loss_rel(nudged_m),
+                                                                  loss_rel(reordered_m)))
+        report.steps.append({
+            "step": s + 1, "rows": compare_states(ours, ref, (nudged, reordered),
+                                                  F64_PARAM_BOUND),
+            "loss": {"replica": float(our_m["loss"]), "single": float(ref_m["loss"]),
+                     "rel_err": loss_rel(our_m), "bound": loss_bound,
+                     "ok": loss_rel(our_m) <= loss_bound}})
+    return report
+
+
+def print_steps_report(report: StepsReport, show_all: bool = False, seconds=None, console=None):
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    c = report.config
+    console.print(f"[bold]{c.net}[/] recipe {c.recipe}: R = {c.replicas} x N = {c.batch} vs one "
+                  f"device at {c.replicas * c.batch}; {c.res}², K = {c.classes}, {c.precision}, "
+                  f"control {c.control}")
+    for s in report.steps:
+        rows = sorted(s["rows"], key=lambda r: -r["rel_err"])
+        table = Table(title=f"after step {s['step']}: state tensors" +
+                      ("" if show_all else f" (worst 5 of {len(rows)})"))
+        for col, j in (("tensor", "left"), ("shape", "left"), ("rel err", "right"),
+                       ("bound", "right"), ("sensitivity", "right"), ("", "right")):
+            table.add_column(col, justify=j, no_wrap=col == "tensor")
+        for r in rows if show_all else rows[:5]:
+            table.add_row(r["name"], "x".join(map(str, r["shape"])), f"{r['rel_err']:.1e}",
+                          f"{r['bound']:.1e}", f"{r['sensitivity']:.1e}",
+                          "[green]ok[/]" if r["ok"] else "[red]FAIL[/]")
+        console.print(table)
+        lo = s["loss"]
+        console.print(f"loss: replicas {lo['replica']:.12g}, single {lo['single']:.12g} "
+                      f"(rel err {lo['rel_err']:.1e})")
+    took = f" ({seconds:.0f} s)" if seconds is not None else ""
+    console.print(f"[{'green' if report.ok else 'red'}]{report.verdict()}[/]{took}")

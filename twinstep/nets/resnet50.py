@@ -55,6 +55,12 @@ def blocks() -> list[Block]:
 DROP_PATH_SITES = tuple(b.prefix for b in blocks())
 
 
+def drop_path_rates(rate: float) -> tuple:
+    """timm's linear ramp: bottleneck i of 16 drops its branch with rate * i / 15."""
+    n = len(DROP_PATH_SITES)
+    return tuple(rate * i / (n - 1) for i in range(n))
+
+
 def param_shapes(num_classes: int = 1000) -> dict:
     """{timm name: shape}, in timm's ``named_parameters()`` order."""
     shapes = {}
