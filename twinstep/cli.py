@@ -138,10 +138,14 @@ def cmd_tie(args) -> int:
 
     cfg = tie.TieConfig(args.net, args.replicas, args.batch, args.res, args.classes, args.loss,
                         args.precision, args.seed, args.shift, args.control,
-                        args.fast_compile)
+                        args.fast_compile, args.recipe and args.recipe.name)
     t0 = time.perf_counter()
-    report = tie.run_tie(cfg)
-    tie.print_report(report, show_all=args.all, seconds=time.perf_counter() - t0)
+    if args.recipe:
+        report = tie.run_steps_tie(cfg, args.recipe, args.steps)
+        tie.print_steps_report(report, show_all=args.all, seconds=time.perf_counter() - t0)
+    else:
+        report = tie.run_tie(cfg)
+        tie.print_report(report, show_all=args.all, seconds=time.perf_counter() - t0)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_json(), f, indent=1)
@@ -254,11 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
                     + "\n".join(f"  {k:<14} {v}" for k, v in CONTROLS.items()))
     t.add_argument("net", choices=sorted(NETS))
     t.add_argument("--replicas", type=int, default=4, metavar="R", help="replicas (default 4)")
-    t.add_argument("--batch", type=int, default=2, metavar="N",
-                   help="examples per replica (default 2)")
+    t.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="examples per replica (default 2, or the recipe's N)")
     t.add_argument("--res", type=int, default=32, help="input resolution (default 32)")
     t.add_argument("--classes", type=int, default=10, help="classes K (default 10)")
-    t.add_argument("--loss", choices=["ce", "bce"], default="ce")
+    t.add_argument("--loss", choices=["ce", "bce"], default=None,
+                   help="default ce, or the recipe's loss")
     t.add_argument("--precision", choices=["f64", "f32", "bf16"], default="f64")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--shift", action=argparse.BooleanOptionalAction, default=True,
@@ -268,11 +273,55 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--all", action="store_true", help="one row per parameter (default: the "
                                                       "worst 10 and counts)")
     t.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    t.add_argument("--recipe", metavar="NAME",
+                   help="tie whole training steps of this recipe (a SPEC §6 name or a preset, "
+                        "see 'twinstep recipe'): k micro-steps, clip, optimizer, EMA, masks; "
+                        "every parameter, optimizer-state, EMA and running-statistics tensor "
+                        "compared after every step (f64)")
+    t.add_argument("--steps", type=int, default=None, metavar="S",
+                   help="whole steps to tie with --recipe (default 3)")
     t.add_argument("--fast-compile", action="store_true",
                    help="compile with XLA:CPU at -O0 (same numerics; a default-size tie is "
                         "mostly compile time, so it finishes sooner)")
     t.set_defaults(func=cmd_tie)
     return p
+
+
+def _check_tie_args(parser, args) -> None:
+    """Resolve --recipe into a Recipe and the defaults it sets; reject what cannot be tied."""
+    from twinstep.collectives import MASK_CONTROLS
+
+    if args.recipe is None:
+        if args.steps is not None:
+            parser.error("--steps needs --recipe (whole training steps)")
+        if args.control in MASK_CONTROLS:
+            parser.error(f"--control {args.control} needs --recipe with drop-path or dropout")
+        args.batch, args.loss = args.batch or 2, args.loss or "ce"
+        return
+    from twinstep import recipe
+
+    try:
+        r = recipe.parse(args.recipe)
+    except recipe.RecipeError as e:
+        parser.error(str(e))
+    from twinstep import step
+    from twinstep.nets import get_net
+
+    try:
+        step.check_recipe(get_net(args.net), r)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.precision != "f64":
+        parser.error("whole-step ties (--recipe) run in f64; bf16's boundary is checked by "
+                     "'twinstep tie NET --precision bf16'")
+    if args.loss is not None and args.loss != r.loss:
+        parser.error(f"--loss {args.loss} contradicts the recipe's {r.loss}")
+    if args.control in MASK_CONTROLS and not (r.drop or r.dropout):
+        parser.error(f"--control {args.control} needs a recipe with drop-path or dropout")
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be >= 1")
+    args.recipe, args.steps = r, args.steps or 3
+    args.batch, args.loss = args.batch or r.batch, r.loss
 
 
 def main(argv=None) -> int:
@@ -292,6 +341,8 @@ def main(argv=None) -> int:
         multiple = get_net(args.net).INPUT_MULTIPLE
         if args.res % multiple:
             parser.error(f"--res must be a multiple of {multiple} for {args.net}")
+    if args.command == "tie":
+        _check_tie_args(parser, args)
     if args.command == "tie" and args.precision == "bf16" and args.replicas & (args.replicas - 1):
         parser.error("a bf16 tie needs --replicas a power of two: a replica's loss cotangent is "
                      "R times the single device's, and bf16 rounding commutes with that scale "

@@ -16,6 +16,7 @@ masks are drawn for the GLOBAL batch from the step's key and sharded with the ba
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -81,8 +82,11 @@ class TrainState(NamedTuple):
 def make_optimizer(recipe, params: dict) -> optax.GradientTransformation:
     """The recipe's clip + optimizer, learning rate warmed up then cosine per optimizer step."""
     schedule = optim.lr_schedule(recipe.lr, recipe.warmup_steps, recipe.total_steps)
+    # timm's Lamb clips the global norm at 1.0 by default (max_grad_norm=1.0): a LAMB recipe
+    # clips with or without the `clip` token
+    clip = recipe.clip or recipe.optimizer == "lamb"
     return optim.make_optimizer(recipe.optimizer, schedule, recipe.effective_weight_decay,
-                                recipe.wx, recipe.clip, params)
+                                recipe.wx, clip, params)
 
 
 def init_state(recipe, params: dict, buffers: dict, opt: optax.GradientTransformation):
@@ -90,12 +94,19 @@ def init_state(recipe, params: dict, buffers: dict, opt: optax.GradientTransform
                       ema.ema_init(params, buffers) if recipe.ema else None)
 
 
+def check_recipe(net, recipe) -> None:
+    """Reject a recipe this net cannot run (ValueError, one line)."""
+    if recipe.net != net.NAME:
+        raise ValueError(f"recipe {recipe.name!r} is for {recipe.net}, not {net.NAME}")
+    if recipe.dropout and "dropout" not in net.forward.__code__.co_varnames:
+        raise ValueError(f"{net.NAME} has no classifier dropout; drop 'do' from the recipe")
+
+
 def draw_masks(net, recipe, key, rows: int, dtype) -> dict:
     """The recipe's regularisation masks for a GLOBAL batch of ``rows`` examples, as net.forward
     takes them (drop-path [sites, rows], dropout [rows, features]); {} when it has none."""
+    check_recipe(net, recipe)
     masks = {}
-    if recipe.dropout and "dropout" not in net.forward.__code__.co_varnames:
-        raise ValueError(f"{net.NAME} has no classifier dropout; drop 'do' from the recipe")
     kd, ko = jax.random.split(key)
     if recipe.drop:
         rates = net.drop_path_rates(recipe.drop_path_rate)
@@ -126,7 +137,10 @@ def accumulate(net, recipe, params: dict, buffers: dict, xs, ts, key, ctx: layer
     noise floor reorders a batch and its masks alike."""
     k, n = xs.shape[0], xs.shape[1]
     rep = ctx.replicas
-    momentum = 1.0 - (1.0 - batchnorm.MOMENTUM) ** (1.0 / k)
+    if row_order is not None and rep.synced:
+        raise ValueError("row_order reorders a single device's global batch, not a replica's")
+    m = batchnorm.MOMENTUM  # 1 - (1 - m)^(1/k), exactly m at k = 1
+    momentum = m if k == 1 else -math.expm1(math.log1p(-m) / k)
     alpha = recipe.effective_label_smoothing
     ts = (losses.bce_targets(ts, alpha, recipe.bce_threshold) if recipe.loss == "bce" else ts)
 
@@ -140,8 +154,9 @@ def accumulate(net, recipe, params: dict, buffers: dict, xs, ts, key, ctx: layer
         return (grads, out.buffers, total + out.loss), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
+    loss_dtype = jax.tree.leaves(params)[0].dtype
     (grads, buffers, total), _ = jax.lax.scan(
-        micro, (zeros, buffers, jnp.zeros((), xs.dtype)), (xs, ts, jnp.arange(k)))
+        micro, (zeros, buffers, jnp.zeros((), loss_dtype)), (xs, ts, jnp.arange(k)))
     return jax.tree.map(lambda g: g / k, grads), buffers, total / k
 
 

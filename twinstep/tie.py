@@ -345,6 +345,8 @@ def _named_leaves(tree, prefix: str) -> dict:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         parts = [prefix] + [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
                             for k in path]
+        if len(parts) == 1:  # a bare leaf (the step counter): its own group
+            parts = [prefix, prefix]
         groups.setdefault("/".join(parts[:-1]), {})[parts[-1]] = leaf
     return groups
 
@@ -355,15 +357,19 @@ def compare_states(ours, ref, moved: tuple, floor: float) -> list:
     ``moved`` (nudged inputs; reordered batches) move from ``ref`` — a trained state inherits
     the conditioning of every step before it, and Adam-type updates divide each element by its
     own magnitude, so a tiny gradient element's rounding becomes an O(lr) parameter change."""
+    if jax.tree.structure(ours) != jax.tree.structure(ref):
+        raise ValueError("the replica and single-device states differ in structure")
     rows = []
     for field in ours._fields:
         a_groups, b_groups = (_named_leaves(getattr(st, field), field) for st in (ours, ref))
         m_groups = [_named_leaves(getattr(st, field), field) for st in moved]
         for group, b in b_groups.items():
-            a = a_groups[group]
+            a, ms = a_groups[group], [m[group] for m in m_groups]
+            if group.endswith("/nu"):  # squared gradients: compare on the gradients' scale
+                a, b, *ms = (jax.tree.map(np.sqrt, d) for d in (a, b, *ms))
             for name in b:
                 err = grad_err(name, a, b)
-                sens = max(grad_err(name, m[group], b) for m in m_groups)
+                sens = max(grad_err(name, m, b) for m in ms)
                 bound = max(floor, SENSITIVITY_FACTOR * sens)
                 rows.append({"name": f"{group}/{name}", "shape": list(np.shape(b[name])),
                              "rel_err": err, "sensitivity": sens, "bound": bound,
