@@ -2,9 +2,12 @@
 mean of k `grad_step` gradients, each micro-batch normalised over its own rows, and running
 statistics moved k times at 1 - (1 - m)^(1/k)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from twinstep import recipe as recipes
 from twinstep import step, tie
@@ -41,3 +44,44 @@ def test_accumulation_is_the_mean_of_the_micro_steps():
     c = jax.jit(lambda p, b, x, t: step.grad_step(net, p, b, x, t, ctx, "bce", alpha=0.0))(
         params, buffers, xs[0], t0)
     assert max(tie.rel(c.buffers[k], a.buffers[k]) for k in buffers) > 1e-3
+
+
+def test_the_optimizer_sees_the_clipped_mean_and_eval_reads_raw_or_ema():
+    """train_step = accumulate, then clip + AdamW on the MEAN gradient (global norm > 1 here, so
+    the clip acts), then the EMA; eval_logits reads the raw or the EMA weights."""
+    net = get_net("resnet50")
+    rec = recipes.parse("resnet50in_emaaccdp2x2wxclip")
+    params, buffers, _, _ = tie.setup(tie.TieConfig(replicas=1, batch=4), net)
+    rng = np.random.default_rng(1)
+    xs = jnp.asarray(rng.standard_normal((2, 4, 32, 32, 3)))
+    ts = jnp.asarray(np.eye(10)[rng.integers(0, 10, (2, 4))])
+    ctx, key = layers.Ctx(precision=F64), jax.random.key(3)
+    opt = step.make_optimizer(rec, params)
+    state = step.init_state(rec, params, buffers, opt)
+    # two steps, so the second has a nonzero learning rate (warmup starts at 0)
+    train = jax.jit(lambda st, x, t: step.train_step(net, rec, opt, st, x, t, key, ctx))
+    state = train(state, xs, ts)[0]
+    new = train(state, xs, ts)[0]
+
+    grads, _, _ = jax.jit(lambda p, b: step.accumulate(net, rec, p, b, xs, ts, key, ctx))(
+        state.params, state.buffers)
+    assert optax.tree.norm(grads) > 1.0
+    updates, _ = opt.update(grads, state.opt_state, state.params)
+    expected = optax.apply_updates(state.params, updates)
+    for name in params:
+        assert tie.rel(new.params[name], expected[name]) <= tie.F64_PARAM_BOUND, name
+    # a control: clipping each micro-step's gradient before the mean lands elsewhere
+    micro = jax.jit(lambda p, b, x, t: step.accumulate(net, rec, p, b, x, t, key, ctx)[0])
+    each = [micro(state.params, state.buffers, xs[i:i + 1], ts[i:i + 1]) for i in range(2)]
+    each = [optax.tree.scale(min(1.0, 1.0 / float(optax.tree.norm(e))), e) for e in each]
+    mean_of_clipped = jax.tree.map(lambda a, b: (a + b) / 2, *each)
+    moved = optax.apply_updates(state.params, opt.update(mean_of_clipped, state.opt_state,
+                                                          state.params)[0])
+    assert max(tie.rel(moved[n], expected[n]) for n in params) > 1e-6
+
+    evaluate = jax.jit(lambda st, use_ema: step.eval_logits(net, st, xs[0], ctx, use_ema),
+                       static_argnums=1)
+    with_ema = evaluate(new, True)
+    direct = net.forward(*new.ema, xs[0], dataclasses.replace(ctx, train=False))[0]
+    assert tie.rel(with_ema, direct) <= 1e-12
+    assert tie.rel(evaluate(new, False), with_ema) > 1e-6

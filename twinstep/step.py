@@ -16,6 +16,7 @@ masks are drawn for the GLOBAL batch from the step's key and sharded with the ba
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -177,3 +178,12 @@ def train_step(net, recipe, opt: optax.GradientTransformation, state: TrainState
                     ema.ema_update(averaged[1], buffers, step, **kw))
     lr = optim.lr_schedule(recipe.lr, recipe.warmup_steps, recipe.total_steps)(state.step)
     return TrainState(step, params, buffers, opt_state, averaged), {"loss": loss, "lr": lr}
+
+
+def eval_logits(net, state: TrainState, x, ctx: layers.Ctx, use_ema: bool = False):
+    """Eval-mode logits [N, K] of x [N, S, S, 3] with the raw weights and running statistics,
+    or with their EMA (``use_ema``; the state must carry one)."""
+    if use_ema and state.ema is None:
+        raise ValueError("this state has no EMA (the recipe has no 'ema' token)")
+    params, buffers = state.ema if use_ema else (state.params, state.buffers)
+    return net.forward(params, buffers, x, dataclasses.replace(ctx, train=False))[0]
