@@ -59,8 +59,10 @@ def test_mnv4_ties_f64(replicas, loss):
     # structural zeros are compared against zero, so every error is a real one
     assert all(p["rel_err"] <= 1e-10 or p["rel_err"] <= 10 * p["sensitivity"]
                for p in r.parameters)
-    if replicas == 1:
-        assert r.worst["rel_err"] == 0.0
+    if replicas == 1:  # no collective. Not bit for bit as ResNet-50: the R = 1 program's stacked
+        # outputs make XLA fuse it differently, and MNv4's structural zeros (pure rounding noise,
+        # held to zero on their gamma's scale) come out ~1e-14 apart
+        assert_no_collective(r.config)
 
 
 def test_resnet50_ties_three_replicas():
