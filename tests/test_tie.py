@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from twinstep import tie
-from twinstep.collectives import CONTROLS
+from twinstep.collectives import CONTROLS, MASK_CONTROLS
 from twinstep.nets import get_net
 
 COUNTS = {"resnet50": (161, 53), "mnv4": (233, 77)}  # parameter tensors, BN sites
@@ -70,7 +70,8 @@ def test_resnet50_ties_three_replicas():
 
 
 @pytest.mark.parametrize("net", sorted(COUNTS))
-@pytest.mark.parametrize("control", sorted(set(CONTROLS) - {"none"}))
+# replicated-masks needs masks, i.e. a recipe: tests/test_steps_tie.py
+@pytest.mark.parametrize("control", sorted(set(CONTROLS) - {"none", *MASK_CONTROLS}))
 def test_every_control_breaks_the_tie(net, control):
     r = run(net=net, replicas=2, control=control)
     assert not r.ok
