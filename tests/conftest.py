@@ -10,6 +10,8 @@ from twinstep import dp  # noqa: E402
 
 dp.ensure_devices(8)
 
+import gc  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -22,3 +24,12 @@ settings.load_profile("twinstep")
 @pytest.fixture
 def rng():
     return np.random.default_rng(20261129)
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """Drop JAX's compiled executables after each test: the suite compiles hundreds of
+    whole-network programs, and kept alive together they outgrow a 24 GiB CI machine."""
+    yield
+    jax.clear_caches()
+    gc.collect()
