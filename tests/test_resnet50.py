@@ -101,6 +101,20 @@ def test_controls_fail_parity(monkeypatch):
     assert not same.ok and same.logits_train_err > 1e-3
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_init_keeps_the_dtype_under_x64(dtype):
+    """Every initialised tensor of both nets in the asked dtype (tests run under x64, where a
+    NumPy scalar factor would silently promote f32 weights to f64)."""
+    from twinstep.nets import mobilenetv4
+
+    for net in (resnet50, mobilenetv4):
+        shapes = net.param_shapes(10)
+        params = layers.init_params(jax.random.key(0), shapes, dtype=dtype)
+        params, buffers = layers.randomize_bn(jax.random.key(1), params,
+                                              layers.init_buffers(shapes, dtype))
+        assert {a.dtype for a in (*params.values(), *buffers.values())} == {jnp.dtype(dtype)}
+
+
 def test_zero_init_last_gamma():
     shapes = resnet50.param_shapes(K)
     params = layers.init_params(jax.random.key(0), shapes, resnet50.zero_init_bns())

@@ -67,6 +67,7 @@ def test_replicated_masks_break_the_tie():
     (["--recipe", LAMB_ACC, "--precision", "f32"], "run in f64"),
     (["--recipe", LAMB_ACC, "--control", "replicated-masks"], "drop-path or dropout"),
     (["--recipe", "resnet50in_lambdp2do"], "no classifier dropout"),
+    (["--recipe", LAMB_ACC, "--control", "unsynced"], "tie it without --recipe"),
 ])
 def test_usage_errors_exit_2(argv, message):
     bad = subprocess.run([sys.executable, "-m", "twinstep.cli", "tie", "resnet50", *argv],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -152,6 +153,88 @@ def cmd_tie(args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_render(args) -> int:
+    """Export recipes' whole train steps for an R-device mesh: NAME.mlir, .jaxexport, .json."""
+    if args.precision == "f64":
+        _enable_x64()
+    from rich.console import Console
+    from rich.table import Table
+
+    from twinstep import render
+
+    names = render.all_names() if args.all else [args.name]
+    res = args.res or (render.SMALL_RES if args.all else None)
+    table = Table(title=f"renders for R = {args.replicas} in {args.out}",
+                  caption="collectives per micro-step (SPEC §3's reference: 3 per BN + 1 per "
+                          "parameter tensor; +1 for the loss)")
+    for col in ("name", "N x k", "collectives (ref.)", "convs", "MiB", "s"):
+        table.add_column(col, justify="left" if col == "name" else "right",
+                         overflow="fold")
+    console = Console()
+    for name in names:
+        cfg = render.RenderConfig(name, args.replicas, res, args.classes, args.precision,
+                                  args.platform, args.control)
+        t0 = time.perf_counter()
+        try:
+            r = render.render(cfg)
+        except (render.RenderError, ValueError) as e:
+            print(f"twinstep render: {e}", file=sys.stderr)
+            return 2
+        paths = render.write(r, args.out)
+        m = r.manifest
+        c = m["collectives"]
+        table.add_row(m["name"], f"{m['batch']} x {m['accum']}",
+                      f"{c['per_micro_step']} ({c['spec_reference']})",
+                      f"{m['convolutions']['count']} {'/'.join(m['convolutions']['dtypes'])}",
+                      f"{m['files'][os.path.basename(paths['.jaxexport'])]['bytes'] / 2**20:.1f}",
+                      f"{time.perf_counter() - t0:.0f}")
+    console.print(table)
+    return 0
+
+
+def cmd_tie_artifact(args) -> int:
+    """Tie a render's deserialized artifact against the single-device Python step."""
+    _enable_x64()
+
+    from twinstep import dp, render
+
+    try:
+        with open(args.artifact[:-len(".jaxexport")] + ".json") as f:
+            replicas = json.load(f)["replicas"]
+    except (OSError, KeyError, ValueError) as e:
+        print(f"twinstep tie: cannot read the artifact's manifest: {e}", file=sys.stderr)
+        return 2
+    dp.ensure_devices(replicas)
+    from twinstep import recipe as recipes
+    from twinstep import tie
+
+    try:
+        exported, m = render.load(args.artifact)
+        if m["precision"] != "f64":
+            raise render.RenderError(
+                f"{args.artifact} is a {m['precision']} render; the tie is exact in f64: render "
+                f"it again with --precision f64 (the same program in f64)")
+        if m["platform"] != render.local_platform():
+            raise render.RenderError(f"{args.artifact} was rendered for {m['platform']}; this "
+                                     f"process runs {render.local_platform()}")
+    except render.RenderError as e:
+        print(f"twinstep tie: {e}", file=sys.stderr)
+        return 2
+    r = recipes.parse(m["name"])
+    cfg = tie.TieConfig(m["net"], m["replicas"], m["batch"], m["res"], m["classes"], r.loss,
+                        "f64", args.seed, args.shift, "none", args.fast_compile, m["name"])
+    t0 = time.perf_counter()
+    report = tie.run_steps_tie(cfg, r, args.steps or 3,
+                               replica=render.artifact_step(exported, m, args.fast_compile))
+    tie.print_steps_report(report, show_all=args.all, seconds=time.perf_counter() - t0)
+    print(f"artifact: {args.artifact} (sha256 "
+          f"{m['files'][os.path.basename(args.artifact)]['sha256'][:16]}...)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**report.to_json(), "artifact": args.artifact}, f, indent=1)
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="twinstep",
@@ -256,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "Exit 0 when everything ties, 1 when anything fails, 2 on bad "
                     "usage. Controls inject a classic bug; each must make the tie fail:\n"
                     + "\n".join(f"  {k:<14} {v}" for k, v in CONTROLS.items()))
-    t.add_argument("net", choices=sorted(NETS))
+    t.add_argument("net", choices=sorted(NETS), nargs="?",
+                   help="the network (omitted with --artifact: the render names it)")
     t.add_argument("--replicas", type=int, default=4, metavar="R", help="replicas (default 4)")
     t.add_argument("--batch", type=int, default=None, metavar="N",
                    help="examples per replica (default 2, or the recipe's N)")
@@ -283,13 +367,65 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--fast-compile", action="store_true",
                    help="compile with XLA:CPU at -O0 (same numerics; a default-size tie is "
                         "mostly compile time, so it finishes sooner)")
+    t.add_argument("--artifact", metavar="PATH",
+                   help="tie a render instead of the Python step: PATH is NAME.jaxexport from "
+                        "'twinstep render --precision f64' (its NAME.json beside it); the "
+                        "deserialized program runs on R devices against the single-device "
+                        "Python step, over --steps whole steps. Net, R, N, resolution, classes "
+                        "and recipe come from the manifest")
     t.set_defaults(func=cmd_tie)
+
+    from twinstep import render
+
+    d = sub.add_parser(
+        "render", help="export a recipe's whole train step to StableHLO (jax.export)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Export a recipe's whole train step — forward, loss, backward with its "
+                    "sync-BN sites, the gradient collective, k accumulated micro-steps, clip, "
+                    "optimizer, EMA — for an R-device mesh with jax.export, lowered from an "
+                    "abstract mesh (no R devices needed). Writes into --out:\n"
+                    "  NAME.mlir       StableHLO text; every collective's location names its "
+                    "sync site\n"
+                    "  NAME.jaxexport  the serialized export: runs with no model code "
+                    "(twinstep/artifact.py)\n"
+                    "  NAME.json       manifest: versions, net, R, N, k, input/output signature,"
+                    " parameter\n"
+                    "                  counts, collectives by kind and site (count, payload, "
+                    "dtypes), convolution\n"
+                    "                  dtypes, sha256 of both files\n\n"
+                    "Flat signature: inputs = state leaves, xs [k, R*N, S, S, 3], ts [k, R*N, K],"
+                    " key uint32[2];\noutputs = state leaves, loss, lr. xs and ts are sharded "
+                    "by rows over the mesh.\n\n"
+                    "Exit 0 when every render was written, 2 on a bad name or option.")
+    d.add_argument("name", nargs="?", help="a recipe name (SPEC §6 grammar) or preset; see "
+                                           "'twinstep recipe'")
+    d.add_argument("--all", action="store_true",
+                   help=f"render SPEC §6's reference names and the presets (at --res "
+                        f"{render.SMALL_RES} unless given)")
+    d.add_argument("--replicas", type=int, default=1, metavar="R",
+                   help="the mesh the step is rendered for (default 1: no collective)")
+    d.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
+    d.add_argument("--res", type=int, default=None,
+                   help="input resolution (default: the recipe's train resolution)")
+    d.add_argument("--classes", type=int, default=render.DEFAULT_CLASSES,
+                   help=f"classes K (default {render.DEFAULT_CLASSES})")
+    d.add_argument("--precision", choices=["f64", "f32", "bf16"], default=None,
+                   help="default: bf16 with the recipe's bf16 token, else f32; f64 renders are "
+                        "the ones 'twinstep tie --artifact' can tie exactly")
+    d.add_argument("--platform", choices=["cpu", "cuda", "rocm", "tpu"], default=None,
+                   help="the backend to lower for (default: this machine's); depthwise convs "
+                        "lower as shifted multiply-adds for cpu, as grouped convolutions "
+                        "elsewhere")
+    d.add_argument("--control", choices=sorted(CONTROLS), default="none",
+                   help="render a deliberately broken step (a negative control that "
+                        "'twinstep tie --artifact' must fail; the manifest records it)")
+    d.set_defaults(func=cmd_render)
     return p
 
 
 def _check_tie_args(parser, args) -> None:
     """Resolve --recipe into a Recipe and the defaults it sets; reject what cannot be tied."""
-    from twinstep.collectives import MASK_CONTROLS
+    from twinstep.collectives import GRADIENT_ONLY_CONTROLS, MASK_CONTROLS
 
     if args.recipe is None:
         if args.steps is not None:
@@ -316,12 +452,29 @@ def _check_tie_args(parser, args) -> None:
                      "'twinstep tie NET --precision bf16'")
     if args.loss is not None and args.loss != r.loss:
         parser.error(f"--loss {args.loss} contradicts the recipe's {r.loss}")
+    if args.control in GRADIENT_ONLY_CONTROLS:
+        parser.error(f"--control {args.control} leaves each replica its own running statistics, "
+                     f"which whole steps cannot carry; tie it without --recipe")
     if args.control in MASK_CONTROLS and not (r.drop or r.dropout):
         parser.error(f"--control {args.control} needs a recipe with drop-path or dropout")
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be >= 1")
     args.recipe, args.steps = r, args.steps or 3
     args.batch, args.loss = args.batch or r.batch, r.loss
+
+
+def _check_artifact_args(parser, args) -> None:
+    """With --artifact the manifest fixes the configuration: reject flags that would not apply."""
+    if not args.artifact.endswith(".jaxexport"):
+        parser.error("--artifact takes a NAME.jaxexport file from 'twinstep render'")
+    fixed = {"net": None, "batch": None, "recipe": None, "loss": None, "control": "none",
+             "precision": "f64", "replicas": 4, "res": 32, "classes": 10}
+    given = [k for k, default in fixed.items() if getattr(args, k) != default]
+    if given:
+        parser.error(f"--artifact takes the configuration from its manifest; drop "
+                     f"{', '.join(given)}")
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be >= 1")
 
 
 def main(argv=None) -> int:
@@ -335,6 +488,13 @@ def main(argv=None) -> int:
         values = values if isinstance(values, list) else [values]
         if any(v is not None and v < 1 for v in values):
             parser.error(f"--{flag} must be >= 1")
+    if args.command == "render" and (args.all == (args.name is not None)):
+        parser.error("give a recipe NAME or --all (not both)")
+    if args.command == "tie" and args.artifact is not None:
+        _check_artifact_args(parser, args)
+        return cmd_tie_artifact(args)
+    if args.command == "tie" and args.net is None:
+        parser.error("the net is required (or --artifact PATH)")
     if args.command in ("tie", "parity"):
         from twinstep.nets import get_net
 

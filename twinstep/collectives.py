@@ -29,6 +29,19 @@ CONTROLS = {
     "replicated-masks": "every replica takes the first N rows of the drop-path / dropout masks",
 }
 MASK_CONTROLS = ("replicated-masks",)  # visible only when a recipe draws masks
+# Under these the replicas' running statistics diverge, so a whole step cannot return one
+# replicated state: they are tied gradient by gradient only (`twinstep tie NET --control`).
+GRADIENT_ONLY_CONTROLS = ("unsynced",)
+
+# The sync sites (SPEC §3), each collective emitted under a ``jax.named_scope`` of its site's
+# name so that a render's StableHLO says which site every all-reduce belongs to.
+SITES = {
+    "bn_forward_mean": "a BN's forward mean, mean_r mu_r (one per BN)",
+    "bn_forward_var": "a BN's forward variance, mean_r (var_r + (mu_r - mu)^2) (one per BN)",
+    "bn_backward": "a BN's backward pair [mean(g dy), mean(xhat g dy)] (one per BN)",
+    "grad": "a parameter gradient, all-reduced by its mean exactly once (one per tensor)",
+    "loss": "the reported loss, the mean of the replicas' losses (one per micro-step)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,21 +67,25 @@ class Replicas:
     def bn_synced(self) -> bool:
         return self.synced and self.control != "unsynced"
 
-    def mean(self, x: jax.Array) -> jax.Array:
-        """The mean over replicas of ``x`` (identity on one device). The one collective kind."""
+    def mean(self, x: jax.Array, site: str) -> jax.Array:
+        """The mean over replicas of ``x`` (identity on one device). The one collective kind;
+        ``site`` (a key of `SITES`) names it in the lowered program."""
         if not self.synced:
             return x
-        if self.control == "sum":
-            return lax.psum(x, self.axis)
-        return lax.pmean(x, self.axis)
+        if site not in SITES:
+            raise ValueError(f"unknown sync site {site!r}; choose from {sorted(SITES)}")
+        with jax.named_scope(site):
+            if self.control == "sum":
+                return lax.psum(x, self.axis)
+            return lax.pmean(x, self.axis)
 
-    def bn_mean(self, x: jax.Array) -> jax.Array:
+    def bn_mean(self, x: jax.Array, site: str) -> jax.Array:
         """A BatchNorm statistic's mean over replicas; per-replica under the `unsynced` control."""
-        return self.mean(x) if self.bn_synced else x
+        return self.mean(x, site) if self.bn_synced else x
 
     def grad_mean(self, grads):
         """The parameter-gradient collective: each leaf all-reduced by its mean, exactly once."""
-        return jax.tree.map(self.mean, grads)
+        return jax.tree.map(lambda g: self.mean(g, "grad"), grads)
 
     def shard_rows(self, x: jax.Array, axis: int = 0) -> jax.Array:
         """This replica's rows of ``x`` drawn for the GLOBAL batch (``axis`` holds R*N rows):

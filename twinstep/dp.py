@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from twinstep.collectives import Replicas
@@ -38,6 +38,12 @@ def mesh(count: int) -> Mesh:
     return Mesh(np.array(devices[:count]), (AXIS,))
 
 
+def abstract_mesh(count: int) -> AbstractMesh:
+    """The 1-D mesh of ``count`` replicas without devices: a program for R devices can be lowered
+    (and exported) in a process that has one."""
+    return AbstractMesh((count,), (AXIS,))
+
+
 def replicas(count: int, control: str = "none") -> Replicas:
     return Replicas(AXIS, count, control)
 
@@ -52,15 +58,17 @@ def jit(fn, fast_compile: bool = False):
     return jax.jit(fn, compiler_options=FAST_COMPILE if fast_compile else None)
 
 
-def replica_map(fn, count: int, in_specs, out_specs, fast_compile: bool = False):
-    """jit(shard_map(fn)) over `mesh(count)`; ``BATCH`` specs shard the leading axis.
+def replica_map(fn, count: int, in_specs, out_specs, fast_compile: bool = False,
+                on=None):
+    """jit(shard_map(fn)) over `mesh(count)` (or the mesh ``on``, e.g. `abstract_mesh`);
+    ``BATCH`` specs shard the leading axis.
 
     At one replica there is nothing to map: ``Replicas`` emits no collective, so the replica
     program is the single-device program, jit(fn), and is built as exactly that.
     """
     if count == 1:
         return jit(fn, fast_compile)
-    return jit(jax.shard_map(fn, mesh=mesh(count), in_specs=in_specs, out_specs=out_specs,
+    return jit(jax.shard_map(fn, mesh=on or mesh(count), in_specs=in_specs, out_specs=out_specs,
                              check_vma=True), fast_compile)
 
 

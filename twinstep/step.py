@@ -62,7 +62,7 @@ def grad_step(net, params: dict, buffers: dict, x, targets, ctx: layers.Ctx, los
                                         losses.loss_divisor(loss, n, logits.shape[-1]), alpha)
     grads = net.backward(tape, dlogits)
     grads = rep.grad_mean(grads) if collective else grads
-    return StepOut(rep.mean(value), grads, stats,
+    return StepOut(rep.mean(value, "loss"), grads, stats,
                    layers.update_running(buffers, stats, momentum), logits)
 
 
@@ -78,6 +78,11 @@ class TrainState(NamedTuple):
     buffers: dict
     opt_state: object
     ema: tuple | None
+
+
+def path_parts(path) -> list[str]:
+    """A pytree path as names: dict keys (timm names), NamedTuple fields, sequence indices."""
+    return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
 def make_optimizer(recipe, params: dict) -> optax.GradientTransformation:

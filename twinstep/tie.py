@@ -343,8 +343,7 @@ def _named_leaves(tree, prefix: str) -> dict:
     group keyed by timm names, and `grad_err`'s structural-zero rule applies inside it."""
     groups: dict = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        parts = [prefix] + [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                            for k in path]
+        parts = [prefix] + step.path_parts(path)
         if len(parts) == 1:  # a bare leaf (the step counter): its own group
             parts = [prefix, prefix]
         groups.setdefault("/".join(parts[:-1]), {})[parts[-1]] = leaf
@@ -421,11 +420,13 @@ def train_programs(net, recipe, cfg: TieConfig, prec: Precision, opt):
             dp.replica_map(replica, cfg.replicas, (r, s, s, r), (r, r), cfg.fast_compile))
 
 
-def run_steps_tie(cfg: TieConfig, recipe, steps: int, net=None) -> StepsReport:
+def run_steps_tie(cfg: TieConfig, recipe, steps: int, net=None, replica=None) -> StepsReport:
     """S whole training steps of ``recipe`` (k micro-steps each) on R replicas of N and on one
     device at R N, from the same state and the same global batches and keys; every state tensor
     compared after every step (f64: max(1e-10, 10 x SENSITIVITY) norm-relative per tensor, see
-    `compare_states`)."""
+    `compare_states`). ``replica``: the R-replica step to tie, (state, xs [k, R N, ...], ts, key)
+    -> (state, metrics) — by default the Python step; `twinstep.render.artifact_step` ties a
+    render's deserialized artifact instead."""
     from twinstep.nets import get_net
 
     net = net or get_net(cfg.net)
@@ -435,7 +436,8 @@ def run_steps_tie(cfg: TieConfig, recipe, steps: int, net=None) -> StepsReport:
     params, buffers, _, _ = setup(cfg, net)
     opt = step.make_optimizer(recipe, params)
     state = step.init_state(recipe, params, buffers, opt)
-    single, replica = train_programs(net, recipe, cfg, prec, opt)
+    single, python_replica = train_programs(net, recipe, cfg, prec, opt)
+    replica = replica or python_replica
     rng = np.random.default_rng(cfg.seed + 1)
     n, k = cfg.replicas * cfg.batch, recipe.accum
     ours, ref, nudged, reordered = state, state, state, state

@@ -116,7 +116,8 @@ def init_params(key, param_shapes: dict, zero_init: tuple = (), dtype=jnp.float3
         if len(shape) == 4:  # conv OIHW
             groups = shape[0] if shape[1] == 1 else 1  # depthwise [C, 1, k, k]
             fan_out = shape[0] * shape[2] * shape[3] // groups
-            out[name] = jax.random.normal(keys[name], shape, dtype) * np.sqrt(2.0 / fan_out)
+            # a Python float: a NumPy scalar would promote an f32 weight to f64 under x64
+            out[name] = jax.random.normal(keys[name], shape, dtype) * float(np.sqrt(2.0 / fan_out))
         elif len(shape) == 2:  # linear [K, D]
             bound = 1.0 / np.sqrt(shape[1])
             out[name] = jax.random.uniform(keys[name], shape, dtype, -bound, bound)

@@ -66,8 +66,8 @@ def _shard_moments(x):
 def bn_forward_site(x, replicas: Replicas = SINGLE) -> BNStats:
     """Global statistics of x [N, H, W, C] over all replicas' rows (two mean collectives)."""
     mu_r, var_r = _shard_moments(x)
-    mu = replicas.bn_mean(mu_r)
-    var = replicas.bn_mean(var_r + jnp.square(mu_r - mu))
+    mu = replicas.bn_mean(mu_r, "bn_forward_mean")
+    var = replicas.bn_mean(var_r + jnp.square(mu_r - mu), "bn_forward_var")
     rows = x.shape[0] * x.shape[1] * x.shape[2]
     return BNStats(mu, var, rows * (replicas.count if replicas.bn_synced else 1))
 
@@ -83,7 +83,7 @@ def bn_backward_site(res: BNRes, dy):
     """dx [N, H, W, C] from dy: the backward statistics averaged over replicas (one collective)."""
     xhat, gdy = res.xhat, res.gamma * dy
     local = jnp.stack([jnp.mean(gdy, axis=_ROWS), jnp.mean(xhat * gdy, axis=_ROWS)])
-    m_gdy, m_xgdy = res.replicas.bn_mean(local)
+    m_gdy, m_xgdy = res.replicas.bn_mean(local, "bn_backward")
     return res.rstd * (gdy - m_gdy - xhat * m_xgdy)
 
 

@@ -1,0 +1,79 @@
+"""On a GPU machine: do bf16 renders still have bf16 convolutions after XLA optimizes them?
+
+XLA:CPU upcasts bf16 convolutions to f32 when it compiles (SPEC §8), so the test suite checks
+the bf16 policy in the StableHLO only (tests/test_render.py). This script renders each net's
+bf16 step for the local GPU (one device, k = 1, N = 8 at 64²), compiles it, and reads the
+OPTIMIZED HLO: every convolution XLA kept as a convolution (cuDNN custom-calls, or plain
+``convolution`` ops) must take bf16 operands and give a bf16 result. A 1x1 convolution that XLA
+rewrote as a GEMM is listed separately with its dtypes (the classifier's GEMM is f32 by the
+policy, so GEMMs are reported, not judged).
+
+    python bench/gpu_bf16_hlo.py [--nets resnet50 mnv4] [--hlo-dir DIR]
+
+Exit 0 when every convolution is bf16, 1 when one is not, 2 without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+
+import jax
+
+from twinstep import render
+
+NAMES = {"resnet50": "resnet50in_adamdp8bf16", "mnv4": "mnv4in_adamdp8bf16"}
+_DTYPE = r"(bf16|f16|f32|f64)\[[\d,]*\]"
+
+
+def conv_like(hlo: str):
+    """Yield (kind, operand dtypes, result dtypes) for every convolution and GEMM of an optimized
+    HLO module's text."""
+    for line in hlo.splitlines():
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        if target and ("conv" in target.group(1) or "gemm" in target.group(1)
+                       or "matmul" in target.group(1)):
+            kind = target.group(1)
+        elif re.search(r"\bconvolution\(", line):
+            kind = "convolution"
+        else:
+            continue
+        call = re.search(r"\b(custom-call|convolution)\(", line)
+        result = line[line.index("=") + 1:call.start()]
+        operands = line[call.end():].split(")")[0]
+        yield kind, tuple(re.findall(_DTYPE, operands)), tuple(re.findall(_DTYPE, result))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nets", nargs="+", default=list(NAMES), choices=list(NAMES))
+    p.add_argument("--hlo-dir", help="also write each optimized HLO module there")
+    args = p.parse_args(argv)
+    if render.local_platform() not in ("cuda", "rocm"):
+        print(f"no GPU: JAX runs on {jax.default_backend()}", file=sys.stderr)
+        return 2
+    ok = True
+    for net in args.nets:
+        cfg = render.RenderConfig(NAMES[net], 1, res=64, classes=1000, precision="bf16")
+        exported, *_ = render.export_step(cfg)
+        compiled = jax.jit(exported.call).lower(*exported.in_avals).compile()
+        hlo = compiled.as_text()
+        if args.hlo_dir:
+            with open(f"{args.hlo_dir}/{NAMES[net]}.optimized.hlo", "w") as f:
+                f.write(hlo)
+        counts = collections.Counter()
+        for kind, operands, result in conv_like(hlo):
+            counts[(kind, "/".join(operands), "/".join(result))] += 1
+            if ("conv" in kind) and not (set(operands) == {"bf16"} and result[:1] == ("bf16",)):
+                ok = False
+        print(f"{net}: {sum(counts.values())} convolution / GEMM ops in the optimized HLO")
+        for (kind, ops, res), n in sorted(counts.items()):
+            print(f"  {n:4d}  {kind:<40} operands {ops:<16} result {res}")
+    print("every convolution bf16" if ok else "a convolution is NOT bf16 (see above)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""Renders (twinstep.render): the exported whole train step and what its manifest claims.
+
+The StableHLO checks read the text the artifact was serialized from. On this CPU-only machine
+bf16 is checked in the StableHLO, where the policy is visible: XLA:CPU upcasts bf16
+convolutions to f32 when it compiles (SPEC §8), so only a GPU's optimized HLO can show the
+compiled convolutions stay bf16 — bench/gpu_bf16_hlo.py checks that on a GPU machine.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from twinstep import cli, dp, render, step, tie
+from twinstep.collectives import SITES
+from twinstep.nets import get_net
+from twinstep.recipe import parse
+
+# the issue's example: AdamW, N = 2 per replica, on R = 4 at 32², K = 10
+EXAMPLE = "resnet50in_adamdp2"
+BNS = {"resnet50": 53, "mnv4": 77}
+TENSORS = {"resnet50": 161, "mnv4": 233}
+SMALL = {"res": 32, "classes": 10}
+
+
+@pytest.fixture(scope="module")
+def example_f64(tmp_path_factory):
+    """The example rendered in f64 for R = 4 and written out."""
+    out = tmp_path_factory.mktemp("renders")
+    r = render.render(render.RenderConfig(EXAMPLE, 4, precision="f64", **SMALL))
+    return r, render.write(r, str(out))
+
+
+def test_rendering_twice_is_byte_identical(example_f64, tmp_path):
+    first, paths = example_f64
+    again = render.render(first.config)
+    assert again.mlir == first.mlir and again.serialized == first.serialized
+    again_paths = render.write(again, str(tmp_path))
+    for suffix in render.SUFFIXES:
+        with open(paths[suffix], "rb") as a, open(again_paths[suffix], "rb") as b:
+            assert a.read() == b.read(), suffix
+    # no file paths in the locations: the text depends on the program, not on the checkout
+    assert "test_render.py" not in first.mlir and "twinstep/" not in first.mlir
+
+
+def test_one_replica_render_is_the_single_device_render():
+    cfg = render.RenderConfig(EXAMPLE, 1, **SMALL)
+    one = render.render(cfg)
+    single, *_ = render.export_step(cfg, single=True)
+    assert render.collectives(one.mlir) == []
+    assert one.manifest["collectives"]["per_micro_step"] == 0
+    assert one.mlir == single.mlir_module()
+    assert one.exported.nr_devices == 1
+
+
+def test_a_four_replica_render_needs_one_device(example_f64):
+    """Lowered from an abstract mesh: a process with ONE device renders the R = 4 step, and its
+    text is the text rendered here with 8 devices."""
+    code = ("import jax; jax.config.update('jax_enable_x64', True)\n"
+            "assert jax.device_count() == 1, jax.devices()\n"
+            "from twinstep import render\n"
+            f"r = render.render(render.RenderConfig({EXAMPLE!r}, 4, precision='f64', res=32, "
+            "classes=10))\n"
+            "assert r.exported.nr_devices == 4\n"
+            "import sys; sys.stdout.write(r.mlir)\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout == example_f64[0].mlir
+
+
+@pytest.mark.parametrize("name", ["resnet50in160_lambaccdp4x128wxclipbcebf16",
+                                  "mnv4in_emaaccdp8x128wxdowd005bf16"])
+def test_collectives_match_the_design_and_stay_f32(name):
+    r = render.render(render.RenderConfig(name, 4, **SMALL))
+    net = r.recipe.net
+    c = r.manifest["collectives"]
+    bns, tensors = BNS[net], TENSORS[net]
+    assert c["spec_reference"] == 3 * bns + tensors  # 320 / 464
+    want = {"bn_forward_mean": bns, "bn_forward_var": bns, "bn_backward": bns, "grad": tensors,
+            "loss": 1}
+    assert {s: v["count"] for s, v in c["by_site"].items()} == want
+    # the manifest's count is the text's: every all-reduce, found by its quoted generic form
+    assert c["per_micro_step"] == r.mlir.count('"stablehlo.all_reduce"') == c["spec_reference"] + 1
+    assert c["by_kind"]["all_reduce"]["count"] == c["per_micro_step"]
+    # a bf16 render: every collective carries f32, never bf16
+    assert c["by_kind"]["all_reduce"]["dtypes"] == ["f32"]
+    # payload: the parameter gradients are the parameter count in f32
+    scalars = r.manifest["parameters"]["scalars"]
+    assert c["by_site"]["grad"]["payload_bytes"] == 4 * scalars
+
+
+def test_f64_renders_reduce_in_f64(example_f64):
+    c = example_f64[0].manifest["collectives"]
+    assert c["by_kind"]["all_reduce"]["dtypes"] == ["f64"]
+
+
+def test_the_counter_sees_missing_collectives():
+    """The counter is not blind: in the gradient step of the tie (the same sync sites), the
+    unsynced control has only the gradients' and the loss's all-reduces. The whole step refuses
+    that control (each replica would keep its own running statistics)."""
+    net = get_net("resnet50")
+    for control, want in (("none", 3 * 53 + 161 + 1), ("unsynced", 161 + 1)):
+        cfg = tie.TieConfig("resnet50", 4, control=control)
+        params, buffers, x, t = tie.setup(cfg, net)
+        program = tie.replica_program(net, cfg, tie.tie_precision("f64"))
+        text = program.lower(params, buffers, x, t).as_text(debug_info=True)
+        ops = render.collectives(text)
+        assert len(ops) == want, control
+        assert {o["site"] for o in ops} == ({"grad", "loss"} if control == "unsynced"
+                                            else set(SITES))
+    with pytest.raises(render.RenderError, match="running statistics"):
+        render.render(render.RenderConfig(EXAMPLE, 4, control="unsynced", **SMALL))
+
+
+def test_the_collective_reader_sees_bf16_and_sites():
+    """A hand-written all-reduce of a bf16 tensor under a site's scope: the reader reports its
+    dtype and site, so a bf16 collective in a render could not pass unseen."""
+    text = "\n".join([
+        '%3 = "stablehlo.all_reduce"(%2) <{replica_groups = dense<[[0, 1]]> : tensor<1x2xi64>}>'
+        ' ({',
+        '^bb0(%a: tensor<bf16> loc("x"), %b: tensor<bf16> loc("x")):',
+        "  %4 = stablehlo.add %a, %b : tensor<bf16> loc(#loc3)",
+        "  stablehlo.return %4 : tensor<bf16> loc(#loc3)",
+        "}) : (tensor<7x3xbf16>) -> tensor<7x3xbf16> loc(#loc3)",
+        '#loc3 = loc("while/body/closed_call/bn_backward/psum_invariant")'])
+    (op,) = render.collectives(text)
+    assert op == {"kind": "all_reduce", "site": "bn_backward", "operands": [((7, 3), "bf16")],
+                  "bytes": 42}
+    assert set(SITES) >= {"bn_forward_mean", "bn_forward_var", "bn_backward", "grad", "loss"}
+
+
+@pytest.mark.parametrize("net,name", [("resnet50", "resnet50in_adamdp2bf16"),
+                                      ("mnv4", "mnv4in_adamdp2bf16")])
+def test_bf16_renders_have_bf16_convolutions(net, name):
+    """Forward, input-gradient and weight-gradient convolutions all take bf16 operands and give
+    a bf16-TYPED result, in the StableHLO (on CPU; see the module docstring for the GPU)."""
+    r = render.render(render.RenderConfig(name, 2, **SMALL))
+    convs = render.convolutions(r.mlir)
+    assert convs and all(d == "bf16" for c in convs for _, d in c["operands"] + [c["result"]])
+    dense = sum(len(s) == 4 and s[1] > 1 for s in get_net(net).param_shapes(10).values())
+    # ResNet-50: 53 forward, 52 input gradients (none for the image), 53 weight gradients;
+    # MNv4 on CPU: the dense convs (depthwise runs as shifted multiply-adds there)
+    assert len(convs) == 3 * dense - 1
+    assert r.manifest["convolutions"] == {"count": len(convs), "dtypes": ["bf16"]}
+    f32 = render.render(render.RenderConfig(name.replace("bf16", ""), 2, **SMALL))
+    assert f32.manifest["convolutions"]["dtypes"] == ["f32"]  # the check tells them apart
+    # master weights, optimizer state, data and outputs stay f32 in both (under x64 too)
+    for m in (r.manifest, f32.manifest):
+        floats = {i["dtype"] for i in m["inputs"] + m["outputs"] if "int" not in i["dtype"]}
+        assert floats == {"float32"}, floats
+
+
+def test_bf16_renders_for_gpu_lower_depthwise_as_bf16_convolutions():
+    r = render.render(render.RenderConfig("mnv4in_adamdp2bf16", 2, platform="cuda", **SMALL))
+    shapes = get_net("mnv4").param_shapes(10).values()
+    dense = sum(len(s) == 4 and s[1] > 1 for s in shapes)
+    depthwise = sum(len(s) == 4 and s[1] == 1 for s in shapes)
+    assert r.manifest["platform"] == "cuda" and r.manifest["depthwise_path"] == "grouped"
+    assert r.manifest["convolutions"] == {"count": 3 * (dense + depthwise) - 1,
+                                          "dtypes": ["bf16"]}
+
+
+def test_manifest_describes_the_signature(example_f64):
+    r, paths = example_f64
+    with open(paths[".json"]) as f:
+        m = json.load(f)
+    assert tuple(m) == render.MANIFEST_KEYS
+    assert (m["net"], m["replicas"], m["batch"], m["global_batch"], m["accum"]) == (
+        "resnet50", 4, 2, 8, 1)
+    assert m["parameters"] == {"tensors": 161, "scalars": 23528522}  # K = 10
+    names = [i["name"] for i in m["inputs"]]
+    assert names[-3:] == ["xs", "ts", "key"] and [o["name"] for o in m["outputs"]][-2:] == [
+        "loss", "lr"]
+    assert sum(n.startswith("params/") for n in names) == 161
+    assert m["inputs"][-3]["shape"] == [1, 8, 32, 32, 3] and m["inputs"][-3]["spec"] == [None, "r"]
+    for name, suffix in ((f"{EXAMPLE}.mlir", ".mlir"), (f"{EXAMPLE}.jaxexport", ".jaxexport")):
+        with open(paths[suffix], "rb") as f:
+            blob = f.read()
+        assert m["files"][name] == {"bytes": len(blob),
+                                    "sha256": hashlib.sha256(blob).hexdigest()}
+
+
+def _example_inputs(seed=3):
+    """A trained-looking state (BN randomised), one batch, a key: the tie's own set-up."""
+    cfg = tie.TieConfig("resnet50", 4, 2, 32, 10, "ce", "f64", seed)
+    net, recipe = get_net("resnet50"), parse(EXAMPLE)
+    params, buffers, _, _ = tie.setup(cfg, net)
+    opt = step.make_optimizer(recipe, params)
+    state = step.init_state(recipe, params, buffers, opt)
+    rng = np.random.default_rng(seed)
+    xs = jnp.asarray(rng.standard_normal((1, 8, 32, 32, 3)))
+    ts = jnp.asarray(np.eye(10)[rng.integers(0, 10, (1, 8))])
+    return cfg, net, recipe, opt, state, xs, ts, jax.random.key(seed)
+
+
+@pytest.mark.slow
+def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_path):
+    """twinstep/artifact.py, in a process that imports no twinstep module, runs one step of
+    the deserialized render; its state is the Python replica step's, bit for bit."""
+    _, paths = example_f64
+    cfg, net, recipe, opt, state, xs, ts, key = _example_inputs()
+    names = render.state_names(state)
+    arrays = dict(zip(names, map(np.asarray, jax.tree.leaves(state)), strict=True))
+    np.savez(tmp_path / "in.npz", xs=np.asarray(xs), ts=np.asarray(ts),
+             key=np.asarray(jax.random.key_data(key)), **arrays)
+    script = os.path.join(os.path.dirname(render.__file__), "artifact.py")
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['artifact.py', {paths['.jaxexport']!r}, '--inputs', "
+            f"{str(tmp_path / 'in.npz')!r}, '--outputs', {str(tmp_path / 'out.npz')!r}]\n"
+            f"runpy.run_path({script!r}, run_name='__main__')\n"
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'twinstep')\n"
+            "assert not loaded, loaded\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = np.load(tmp_path / "out.npz")
+    _, replica = tie.train_programs(net, recipe, cfg, tie.tie_precision("f64"), opt)
+    ref, metrics = replica(state, xs, ts, key)
+    # two compilations of one f64 program (the artifact's, the Python step's) fuse differently:
+    # rounding apart, measured <= 4.4e-15 norm-relative (Adam's nu)
+    errs = {n: tie.rel(out[n], w) for n, w in zip(names, jax.tree.leaves(ref), strict=True)}
+    assert max(errs.values()) <= 1e-13, max(errs.items(), key=lambda kv: kv[1])
+    assert float(out["loss"]) == float(metrics["loss"])
+    # it stepped (the parameters themselves move from the second step on: lr(0) = 0)
+    assert int(out["step"]) == 1 and np.abs(out["opt_state/0/mu/fc.weight"]).max() > 0
+
+
+@pytest.mark.slow
+def test_tie_artifact_ties_the_render_and_catches_a_broken_one(example_f64, tmp_path):
+    """`twinstep tie --artifact`: the deserialized program against the single-device Python
+    step. The negative control is a render of the wrong-divisor bug: its tie must fail."""
+    _, paths = example_f64
+    report = tmp_path / "tie.json"
+    assert cli.main(["tie", "--artifact", paths[".jaxexport"], "--steps", "2",
+                     "--fast-compile", "--json", str(report)]) == 0
+    rep = json.loads(report.read_text())
+    assert rep["ok"] and rep["artifact"] == paths[".jaxexport"]
+    # params (which move from the second step: lr(0) = 0), buffers, Adam's mu and nu, counts
+    assert len(rep["steps"][1]["rows"]) == 592 and rep["steps"][1]["loss"]["ok"]
+    broken = render.render(render.RenderConfig(EXAMPLE, 4, precision="f64",
+                                               control="wrong-divisor", **SMALL))
+    bad = render.write(broken, str(tmp_path / "broken"))
+    assert cli.main(["tie", "--artifact", bad[".jaxexport"], "--steps", "1",
+                     "--fast-compile"]) == 1
+
+
+def test_cli_render_usage_errors(tmp_path, example_f64, capsys):
+    def fails(argv, text):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2 and text in capsys.readouterr().err, argv
+
+    fails(["render", "--out", str(tmp_path)], "give a recipe NAME or --all")
+    fails(["render", EXAMPLE, "--all", "--out", str(tmp_path)], "give a recipe NAME or --all")
+    assert cli.main(["render", "resnet50in_adamdpx2", "--out", str(tmp_path)]) == 2
+    assert "twinstep render:" in capsys.readouterr().err
+    assert cli.main(["render", EXAMPLE, "--res", "48", "--out", str(tmp_path)]) == 2
+    assert "multiple of 32" in capsys.readouterr().err
+    fails(["tie", "resnet50", "--artifact", "x.jaxexport"], "drop net")
+    fails(["tie", "--artifact", "x.mlir"], "NAME.jaxexport")
+    fails(["tie"], "the net is required")
+    # an f32 render is not tied (the tie is exact in f64), and a tampered one is refused
+    r = render.render(render.RenderConfig(EXAMPLE, 2, **SMALL))
+    f32 = render.write(r, str(tmp_path / "f32"))
+    assert cli.main(["tie", "--artifact", f32[".jaxexport"]]) == 2
+    assert "--precision f64" in capsys.readouterr().err
+    with open(f32[".jaxexport"], "ab") as f:
+        f.write(b"\0")
+    assert cli.main(["tie", "--artifact", f32[".jaxexport"]]) == 2
+    assert "sha256" in capsys.readouterr().err
+    assert not list(tmp_path.glob("**/.render-*"))  # no temporary files left behind
+
+
+def test_committed_manifests_are_current():
+    """renders/ holds `render --all --replicas 4` manifests (the .mlir and .jaxexport are not
+    committed): one per name, and each still describes what the code renders — signature,
+    collectives, convolutions — checked here for the smallest of each net."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(render.__file__)), "renders")
+    manifests = {}
+    for name in render.all_names():
+        with open(os.path.join(folder, name + ".json")) as f:
+            manifests[name] = json.load(f)
+    for name in ("resnet50in_momdp64", "mnv4in_adamdp64"):
+        m = manifests[name]
+        fresh = render.render(render.RenderConfig(name, m["replicas"], m["res"], m["classes"],
+                                                  m["precision"], m["platform"])).manifest
+        for key in render.MANIFEST_KEYS:
+            if key not in ("versions", "files"):
+                assert json.loads(json.dumps(fresh[key])) == m[key], (name, key)
+    assert {m["replicas"] for m in manifests.values()} == {4}
+    assert dp.AXIS == manifests["resnet50in_momdp64"]["mesh"]["axis"]
