@@ -4,9 +4,11 @@ XLA:CPU upcasts bf16 convolutions to f32 when it compiles (SPEC §8), so the tes
 the bf16 policy in the StableHLO only (tests/test_render.py). This script renders each net's
 bf16 step for the local GPU (one device, k = 1, N = 8 at 64²), compiles it, and reads the
 OPTIMIZED HLO: every convolution XLA kept as a convolution (cuDNN custom-calls, or plain
-``convolution`` ops) must take bf16 operands and give a bf16 result. A 1x1 convolution that XLA
-rewrote as a GEMM is listed separately with its dtypes (the classifier's GEMM is f32 by the
-policy, so GEMMs are reported, not judged).
+``convolution`` ops) must take bf16 operands and give a bf16 result, and the convolutions plus
+the bf16 GEMMs (1x1 convolutions XLA may rewrite as GEMMs) must account for every convolution of
+the StableHLO — so a compile that upcast some, or a reader that found none, fails. The
+classifier's GEMM is f32 by the policy and is listed, not counted. cuDNN fusions that XLA names
+only in backend_config are not recognised: they would show up as missing convolutions.
 
     python bench/gpu_bf16_hlo.py [--nets resnet50 mnv4] [--hlo-dir DIR]
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import sys
 
@@ -54,21 +57,30 @@ def main(argv=None) -> int:
     if render.local_platform() not in ("cuda", "rocm"):
         print(f"no GPU: JAX runs on {jax.default_backend()}", file=sys.stderr)
         return 2
+    if args.hlo_dir:
+        os.makedirs(args.hlo_dir, exist_ok=True)
     ok = True
     for net in args.nets:
         cfg = render.RenderConfig(NAMES[net], 1, res=64, classes=1000, precision="bf16")
-        exported, *_ = render.export_step(cfg)
+        exported = render.export_step(cfg).exported
+        expected = len(render.convolutions(exported.mlir_module()))
         compiled = jax.jit(exported.call).lower(*exported.in_avals).compile()
         hlo = compiled.as_text()
         if args.hlo_dir:
             with open(f"{args.hlo_dir}/{NAMES[net]}.optimized.hlo", "w") as f:
                 f.write(hlo)
         counts = collections.Counter()
+        accounted = 0
         for kind, operands, result in conv_like(hlo):
             counts[(kind, "/".join(operands), "/".join(result))] += 1
-            if ("conv" in kind) and not (set(operands) == {"bf16"} and result[:1] == ("bf16",)):
+            bf16 = set(operands) == {"bf16"} and result[:1] == ("bf16",)
+            accounted += bf16
+            if "conv" in kind and not bf16:
                 ok = False
-        print(f"{net}: {sum(counts.values())} convolution / GEMM ops in the optimized HLO")
+        if accounted < expected:
+            ok = False
+        print(f"{net}: {expected} convolutions in the StableHLO; {accounted} bf16 convolution / "
+              f"GEMM ops in the optimized HLO")
         for (kind, ops, res), n in sorted(counts.items()):
             print(f"  {n:4d}  {kind:<40} operands {ops:<16} result {res}")
     print("every convolution bf16" if ok else "a convolution is NOT bf16 (see above)")

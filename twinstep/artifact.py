@@ -13,6 +13,7 @@ an artifact and run where twinstep is not installed.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -24,8 +25,18 @@ def main(argv=None) -> int:
     p.add_argument("--inputs", required=True, help=".npz with one array per manifest input")
     p.add_argument("--outputs", required=True, help=".npz to write the outputs to")
     args = p.parse_args(argv)
-    with open(args.artifact[:-len(".jaxexport")] + ".json") as f:
-        manifest = json.load(f)
+    if not args.artifact.endswith(".jaxexport"):
+        p.error(f"{args.artifact}: an artifact is a NAME.jaxexport file")
+    try:
+        with open(args.artifact[:-len(".jaxexport")] + ".json") as f:
+            manifest = json.load(f)
+        with open(args.artifact, "rb") as f:
+            blob = f.read()
+    except (OSError, ValueError) as e:
+        p.error(f"cannot read the artifact and its manifest: {e}")
+    digest = manifest["files"].get(os.path.basename(args.artifact), {}).get("sha256")
+    if hashlib.sha256(blob).hexdigest() != digest:
+        p.error(f"{args.artifact}: sha256 differs from its manifest's (a different render?)")
     r = manifest["mesh"]["size"]
     if "jax" not in sys.modules:  # R virtual CPU devices (ignored by GPU backends)
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -36,15 +47,18 @@ def main(argv=None) -> int:
 
     dtypes = {i["dtype"] for i in manifest["inputs"] + manifest["outputs"]}
     jax.config.update("jax_enable_x64", "float64" in dtypes)
-    with open(args.artifact, "rb") as f:
-        exported = jax.export.deserialize(bytearray(f.read()))
+    exported = jax.export.deserialize(bytearray(blob))
     inputs = np.load(args.inputs)
     missing = [i["name"] for i in manifest["inputs"] if i["name"] not in inputs]
     if missing:
         p.error(f"{args.inputs} lacks inputs {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    for i in manifest["inputs"]:  # no silent casts or broadcasts
+        a = inputs[i["name"]]
+        if list(a.shape) != i["shape"] or str(a.dtype) != i["dtype"]:
+            p.error(f"input {i['name']} is {a.dtype}{list(a.shape)}; the artifact takes "
+                    f"{i['dtype']}{i['shape']}")
     mesh = Mesh(np.array(jax.devices()[:r]), (manifest["mesh"]["axis"],))
-    placed = [jax.device_put(np.asarray(inputs[i["name"]], i["dtype"]),
-                             NamedSharding(mesh, PartitionSpec(*i["spec"])))
+    placed = [jax.device_put(inputs[i["name"]], NamedSharding(mesh, PartitionSpec(*i["spec"])))
               for i in manifest["inputs"]]
     outputs = exported.call(*placed)
     np.savez(args.outputs, **{o["name"]: np.asarray(v)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -15,6 +16,9 @@ def _enable_x64():
     import jax
 
     jax.config.update("jax_enable_x64", True)
+
+
+TIE_DEFAULTS: dict = {}  # TieConfig's defaults, read when the parser is built
 
 
 def cmd_certify(args) -> int:
@@ -61,7 +65,6 @@ def cmd_info(args) -> int:
 
 def cmd_recipe(args) -> int:
     """Decode a recipe name (SPEC §6) and print every field."""
-    import dataclasses
 
     from rich.console import Console
     from rich.table import Table
@@ -155,8 +158,6 @@ def cmd_tie(args) -> int:
 
 def cmd_render(args) -> int:
     """Export recipes' whole train steps for an R-device mesh: NAME.mlir, .jaxexport, .json."""
-    if args.precision == "f64":
-        _enable_x64()
     from rich.console import Console
     from rich.table import Table
 
@@ -177,10 +178,10 @@ def cmd_render(args) -> int:
         t0 = time.perf_counter()
         try:
             r = render.render(cfg)
-        except (render.RenderError, ValueError) as e:
+            paths = render.write(r, args.out)
+        except (render.RenderError, OSError) as e:
             print(f"twinstep render: {e}", file=sys.stderr)
             return 2
-        paths = render.write(r, args.out)
         m = r.manifest
         c = m["collectives"]
         table.add_row(m["name"], f"{m['batch']} x {m['accum']}",
@@ -210,6 +211,7 @@ def cmd_tie_artifact(args) -> int:
 
     try:
         exported, m = render.load(args.artifact)
+        r = recipes.parse(m["name"])
         if m["precision"] != "f64":
             raise render.RenderError(
                 f"{args.artifact} is a {m['precision']} render; the tie is exact in f64: render "
@@ -217,15 +219,18 @@ def cmd_tie_artifact(args) -> int:
         if m["platform"] != render.local_platform():
             raise render.RenderError(f"{args.artifact} was rendered for {m['platform']}; this "
                                      f"process runs {render.local_platform()}")
-    except render.RenderError as e:
+    except (render.RenderError, recipes.RecipeError, OSError) as e:
         print(f"twinstep tie: {e}", file=sys.stderr)
         return 2
-    r = recipes.parse(m["name"])
     cfg = tie.TieConfig(m["net"], m["replicas"], m["batch"], m["res"], m["classes"], r.loss,
                         "f64", args.seed, args.shift, "none", args.fast_compile, m["name"])
     t0 = time.perf_counter()
-    report = tie.run_steps_tie(cfg, r, args.steps or 3,
-                               replica=render.artifact_step(exported, m, args.fast_compile))
+    try:
+        report = tie.run_steps_tie(cfg, r, args.steps,
+                                   replica=render.artifact_step(exported, m, args.fast_compile))
+    except render.RenderError as e:  # its signature is not this step's
+        print(f"twinstep tie: {e}", file=sys.stderr)
+        return 2
     tie.print_steps_report(report, show_all=args.all, seconds=time.perf_counter() - t0)
     print(f"artifact: {args.artifact} (sha256 "
           f"{m['files'][os.path.basename(args.artifact)]['sha256'][:16]}...)")
@@ -319,7 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_parity)
 
     from twinstep.collectives import CONTROLS
+    from twinstep.tie import TieConfig
 
+    TIE_DEFAULTS.update({f.name: f.default for f in dataclasses.fields(TieConfig)})
     t = sub.add_parser(
         "tie", help="the R-replica sync-BN step against the single-device step at R*N",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -341,14 +348,18 @@ def build_parser() -> argparse.ArgumentParser:
                     + "\n".join(f"  {k:<14} {v}" for k, v in CONTROLS.items()))
     t.add_argument("net", choices=sorted(NETS), nargs="?",
                    help="the network (omitted with --artifact: the render names it)")
-    t.add_argument("--replicas", type=int, default=4, metavar="R", help="replicas (default 4)")
+    t.add_argument("--replicas", type=int, default=None, metavar="R",
+                   help=f"replicas (default {TIE_DEFAULTS['replicas']})")
     t.add_argument("--batch", type=int, default=None, metavar="N",
                    help="examples per replica (default 2, or the recipe's N)")
-    t.add_argument("--res", type=int, default=32, help="input resolution (default 32)")
-    t.add_argument("--classes", type=int, default=10, help="classes K (default 10)")
+    t.add_argument("--res", type=int, default=None,
+                   help=f"input resolution (default {TIE_DEFAULTS['res']})")
+    t.add_argument("--classes", type=int, default=None,
+                   help=f"classes K (default {TIE_DEFAULTS['classes']})")
     t.add_argument("--loss", choices=["ce", "bce"], default=None,
                    help="default ce, or the recipe's loss")
-    t.add_argument("--precision", choices=["f64", "f32", "bf16"], default="f64")
+    t.add_argument("--precision", choices=["f64", "f32", "bf16"], default=None,
+                   help=f"default {TIE_DEFAULTS['precision']}")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--shift", action=argparse.BooleanOptionalAction, default=True,
                    help="offset replica r's inputs by r, so Chan's correction is O(1) "
@@ -363,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "every parameter, optimizer-state, EMA and running-statistics tensor "
                         "compared after every step (f64)")
     t.add_argument("--steps", type=int, default=None, metavar="S",
-                   help="whole steps to tie with --recipe (default 3)")
+                   help="whole steps to tie, with --recipe or --artifact (default 3)")
     t.add_argument("--fast-compile", action="store_true",
                    help="compile with XLA:CPU at -O0 (same numerics; a default-size tie is "
                         "mostly compile time, so it finishes sooner)")
@@ -459,22 +470,34 @@ def _check_tie_args(parser, args) -> None:
         parser.error(f"--control {args.control} needs a recipe with drop-path or dropout")
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be >= 1")
-    args.recipe, args.steps = r, args.steps or 3
+    from twinstep.tie import STEPS
+
+    args.recipe, args.steps = r, args.steps or STEPS
     args.batch, args.loss = args.batch or r.batch, r.loss
 
 
 def _check_artifact_args(parser, args) -> None:
     """With --artifact the manifest fixes the configuration: reject flags that would not apply."""
+    from twinstep.tie import STEPS
+
     if not args.artifact.endswith(".jaxexport"):
         parser.error("--artifact takes a NAME.jaxexport file from 'twinstep render'")
-    fixed = {"net": None, "batch": None, "recipe": None, "loss": None, "control": "none",
-             "precision": "f64", "replicas": 4, "res": 32, "classes": 10}
-    given = [k for k, default in fixed.items() if getattr(args, k) != default]
+    fixed = ("net", "batch", "recipe", "loss", "precision", "replicas", "res", "classes")
+    given = [k for k in fixed if getattr(args, k) is not None]
+    if args.control != "none":
+        given.append("control")
     if given:
         parser.error(f"--artifact takes the configuration from its manifest; drop "
                      f"{', '.join(given)}")
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be >= 1")
+    args.steps = args.steps or STEPS
+
+
+def _fill_tie_defaults(args) -> None:
+    for flag in ("replicas", "res", "classes", "precision"):
+        if getattr(args, flag) is None:
+            setattr(args, flag, TIE_DEFAULTS[flag])
 
 
 def main(argv=None) -> int:
@@ -495,6 +518,8 @@ def main(argv=None) -> int:
         return cmd_tie_artifact(args)
     if args.command == "tie" and args.net is None:
         parser.error("the net is required (or --artifact PATH)")
+    if args.command == "tie":
+        _fill_tie_defaults(args)
     if args.command in ("tie", "parity"):
         from twinstep.nets import get_net
 

@@ -73,6 +73,7 @@ def replica_map(fn, count: int, in_specs, out_specs, fast_compile: bool = False,
 
 
 BATCH = P(AXIS)  # sharded along the batch (leading) axis
+MICRO_BATCH = P(None, AXIS)  # micro-batches [k, R N, ...]: sharded along their rows
 REPLICATED = P()  # the same on every replica
 
 

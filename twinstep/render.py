@@ -45,6 +45,7 @@ from twinstep import dp, step
 from twinstep import recipe as recipes
 from twinstep.collectives import GRADIENT_ONLY_CONTROLS, SINGLE, SITES
 from twinstep.nets import get_net, layers
+from twinstep.ops import conv
 from twinstep.ops.precision import get_precision
 
 # SPEC §3's reference count per micro-step: 3 per BN (mean, variance, backward pair) + 1 per
@@ -57,8 +58,6 @@ MANIFEST_KEYS = ("name", "recipe", "versions", "platform", "net", "replicas", "b
                  "global_batch", "accum", "res", "classes", "precision", "control", "parameters",
                  "mesh", "depthwise_path", "inputs", "outputs", "collectives", "convolutions",
                  "files")
-_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "ui32": 4, "ui64": 8,
-          "i8": 1, "ui8": 1, "i1": 1}
 
 
 class RenderError(ValueError):
@@ -122,7 +121,7 @@ def flat_step(net, recipe, opt, ctx, treedef):
         state = jax.tree.unflatten(treedef, leaves)
         new, metrics = step.train_step(net, recipe, opt, state, xs, ts,
                                        jax.random.wrap_key_data(key_data), ctx)
-        # the schedule runs in the canonical float (f64 under x64): report it in the step's
+        # the schedule runs in the canonical float (f64 under x64); report it in the loss's
         loss = metrics["loss"]
         return (*jax.tree.leaves(new), loss, metrics["lr"].astype(loss.dtype))
 
@@ -148,56 +147,80 @@ def check_config(cfg: RenderConfig, recipe) -> int:
     return res
 
 
-def export_step(cfg: RenderConfig, single: bool = False):
-    """(Exported, recipe, resolution, state names). ``single``: the single-device step at the
-    global batch R N instead (the program the R-replica step is tied to)."""
+@dataclasses.dataclass
+class Export:
+    """What `export_step` made and the facts the manifest states about it."""
+
+    exported: jax.export.Exported
+    recipe: recipes.Recipe
+    res: int
+    precision: str
+    depthwise_path: str
+    names: list  # the state leaves' names (`state_names`)
+    in_specs: list  # a PartitionSpec per input, as JSON lists ([] = replicated)
+
+
+def _spec(spec: P) -> list:
+    return list(spec)
+
+
+def export_step(cfg: RenderConfig, single: bool = False) -> Export:
+    """Export the recipe's step. ``single``: the single-device step at the global batch R N
+    instead (the program the R-replica step is tied to).
+
+    The export runs with jax_enable_x64 on exactly for f64 renders, whatever the process has
+    set: an f32 or bf16 render is the same program from the CLI and from an x64 test."""
     try:
         recipe = recipes.parse(cfg.name)
     except recipes.RecipeError as e:
         raise RenderError(str(e)) from None
     net = get_net(recipe.net)
     res = check_config(cfg, recipe)
-    step.check_recipe(net, recipe)
+    try:
+        step.check_recipe(net, recipe)
+    except ValueError as e:
+        raise RenderError(str(e)) from None
     prec = get_precision(cfg.precision or ("bf16" if recipe.bf16 else "f32"))
-    if prec.name == "f64" and not jax.config.jax_enable_x64:
-        raise RenderError("an f64 render needs jax_enable_x64 (the CLI sets it for --precision "
-                          "f64)")
     platform = cfg.platform or local_platform()
-    depthwise = "shift" if platform == "cpu" else "grouped"
-    state, opt = abstract_state(net, recipe, cfg.classes, prec.dtype)
-    leaves, treedef = jax.tree.flatten(state)
+    depthwise = conv.default_depthwise_path(platform)
     r = cfg.replicas
-    k, rows = recipe.accum, r * recipe.batch
-    data = [jax.ShapeDtypeStruct((k, rows, res, res, 3), prec.dtype),
-            jax.ShapeDtypeStruct((k, rows, cfg.classes), prec.dtype),
-            jax.ShapeDtypeStruct((2,), jnp.uint32)]
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves] + data
-    if single or r == 1:
-        ctx = layers.Ctx(SINGLE if single else dp.replicas(1), prec, depthwise_path=depthwise)
-        fn = dp.jit(flat_step(net, recipe, opt, ctx, treedef))
-    else:
-        mesh = dp.abstract_mesh(r)
-        ctx = layers.Ctx(dp.replicas(r, cfg.control), prec, depthwise_path=depthwise)
-        rep, batch = dp.REPLICATED, P(None, dp.AXIS)
-        in_specs = (rep,) * len(leaves) + (batch, batch, rep)
-        fn = dp.replica_map(flat_step(net, recipe, opt, ctx, treedef), r, in_specs,
-                            (rep,) * (len(leaves) + 2), on=mesh)
-        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))
-                 for a, s in zip(avals, in_specs, strict=True)]
     # locations name ops and sync sites, never the files and lines that traced them
     limit = jax.config.jax_traceback_in_locations_limit
     jax.config.update("jax_traceback_in_locations_limit", 0)
     try:
-        exported = jax.export.export(fn, platforms=[platform])(*avals)
+        with jax.enable_x64(prec.name == "f64"):
+            state, opt = abstract_state(net, recipe, cfg.classes, prec.dtype)
+            leaves, treedef = jax.tree.flatten(state)
+            k, rows = recipe.accum, r * recipe.batch
+            avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves] + [
+                jax.ShapeDtypeStruct((k, rows, res, res, 3), prec.dtype),
+                jax.ShapeDtypeStruct((k, rows, cfg.classes), prec.dtype),
+                jax.ShapeDtypeStruct((2,), jnp.uint32)]
+            if single or r == 1:
+                ctx = layers.Ctx(SINGLE if single else dp.replicas(1), prec,
+                                 depthwise_path=depthwise)
+                in_specs = [dp.REPLICATED] * len(avals)
+                program = dp.jit(flat_step(net, recipe, opt, ctx, treedef))
+            else:
+                mesh = dp.abstract_mesh(r)
+                ctx = layers.Ctx(dp.replicas(r, cfg.control), prec, depthwise_path=depthwise)
+                in_specs = [dp.REPLICATED] * len(leaves) + [dp.MICRO_BATCH, dp.MICRO_BATCH,
+                                                            dp.REPLICATED]
+                program = dp.replica_map(flat_step(net, recipe, opt, ctx, treedef), r,
+                                         tuple(in_specs), (dp.REPLICATED,) * (len(leaves) + 2),
+                                         on=mesh)
+                avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, sp))
+                         for a, sp in zip(avals, in_specs, strict=True)]
+            exported = jax.export.export(program, platforms=[platform])(*avals)
     finally:
         jax.config.update("jax_traceback_in_locations_limit", limit)
     names = state_names(state)
-    outs = exported.out_avals[:len(names)]
-    for n, a, b in zip(names, leaves, outs, strict=True):
+    for n, a, b in zip(names, leaves, exported.out_avals, strict=False):
         if (a.shape, a.dtype) != (b.shape, b.dtype):  # the step must map a state onto its own type
             raise AssertionError(f"{n}: the step takes {a.dtype}{list(a.shape)} and returns "
                                  f"{b.dtype}{list(b.shape)}")
-    return exported, recipe, res, names
+    return Export(exported, recipe, res, prec.name, depthwise, names,
+                  [_spec(sp) for sp in in_specs])
 
 
 # ------------------------------------------------------------------------ reading the StableHLO
@@ -208,6 +231,7 @@ _LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)$", re.M)
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                     "collective_permute", "collective_broadcast")
 _COLLECTIVE = re.compile(r'"stablehlo\.(' + "|".join(COLLECTIVE_KINDS) + r')"\(')
+_FUNC = re.compile(r"^\s*func\.func (?:public |private )?@([\w.$-]+)\(")
 
 
 def tensor_types(signature: str) -> list[tuple[tuple[int, ...], str]]:
@@ -220,15 +244,20 @@ def tensor_types(signature: str) -> list[tuple[tuple[int, ...], str]]:
 
 
 def _nbytes(types) -> int:
-    return sum(math.prod(s) * _BYTES[d] for s, d in types)
+    """Bytes of tensors typed f32, bf16, i1, f8E4M3FN, ... (the bit width is in the name)."""
+    return sum(math.prod(s) * max(1, int(re.search(r"\d+", d).group()) // 8) for s, d in types)
+
+
+_SITE_COMPONENT = re.compile(r'(?:^|[/"])(' + "|".join(SITES) + r")/")
 
 
 def _site(loc: str, aliases: dict, depth: int = 0) -> str | None:
-    """The sync site a location names (a `SITES` key as one component of its name stack)."""
+    """The sync site a location names: the innermost `SITES` key among the components of its
+    name stack."""
     text = aliases.get(loc, loc)
-    for site in SITES:
-        if re.search(r'(^|[/"])' + site + r"/", text):
-            return site
+    found = _SITE_COMPONENT.findall(text)
+    if found:
+        return found[-1]
     if depth < 8:
         for ref in re.findall(r"#loc\d*", text):
             if ref != loc and (found := _site(ref, aliases, depth + 1)):
@@ -243,10 +272,18 @@ def collectives(mlir: str) -> list[dict]:
     aliases = dict(_LOC_DEF.findall(mlir))
     lines = mlir.splitlines()
     ops = []
+    function = None
     for i, line in enumerate(lines):
+        if (f := _FUNC.match(line)) is not None:
+            function = f.group(1)
         m = _COLLECTIVE.search(line)
         if not m:
             continue
+        # a function called from several places would hold one collective for each call: the
+        # count would then be per call site, so refuse rather than miscount
+        calls = function and len(re.findall(r"call @" + re.escape(function) + r"\(", mlir))
+        if function not in (None, "main") and calls != 1:
+            raise ValueError(f"a collective in @{function}, which is called {calls} times")
         j = i
         if line.rstrip().endswith("({"):
             j = next(j for j in range(i + 1, len(lines)) if lines[j].lstrip().startswith("})"))
@@ -296,9 +333,6 @@ def collective_summary(ops: list[dict], net) -> dict:
 # --------------------------------------------------------------------------------- the files
 
 
-REPLICATED_SPEC, ROWS_SPEC = [], [None, dp.AXIS]  # PartitionSpecs as JSON: xs and ts by rows
-
-
 def _io(names, avals, specs) -> list[dict]:
     return [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype), "spec": s}
             for n, a, s in zip(names, avals, specs, strict=True)]
@@ -306,13 +340,13 @@ def _io(names, avals, specs) -> list[dict]:
 
 def render(cfg: RenderConfig) -> Render:
     """Export the recipe's step and describe it (nothing written)."""
-    exported, recipe, res, names = export_step(cfg)
+    e = export_step(cfg)
+    exported, recipe, names = e.exported, e.recipe, e.names
     net = get_net(recipe.net)
     mlir = exported.mlir_module()
     serialized = bytes(exported.serialize())
     shapes = net.param_shapes(cfg.classes)
     convs = convolutions(mlir)
-    data = [ROWS_SPEC, ROWS_SPEC, REPLICATED_SPEC]
     manifest = {
         "name": cfg.name,  # as asked: a preset keeps its lr and schedule, its grammar name not
         "recipe": recipe.name,
@@ -325,18 +359,17 @@ def render(cfg: RenderConfig) -> Render:
         "batch": recipe.batch,
         "global_batch": cfg.replicas * recipe.batch,
         "accum": recipe.accum,
-        "res": res,
+        "res": e.res,
         "classes": cfg.classes,
-        "precision": cfg.precision or ("bf16" if recipe.bf16 else "f32"),
+        "precision": e.precision,
         "control": cfg.control,
         "parameters": {"tensors": len(shapes),
                        "scalars": int(sum(math.prod(s) for s in shapes.values()))},
         "mesh": {"axis": dp.AXIS, "size": cfg.replicas},
-        "depthwise_path": "shift" if exported.platforms[0] == "cpu" else "grouped",
-        "inputs": _io(names + ["xs", "ts", "key"], exported.in_avals,
-                      [REPLICATED_SPEC] * len(names) + data),
+        "depthwise_path": e.depthwise_path,
+        "inputs": _io(names + ["xs", "ts", "key"], exported.in_avals, e.in_specs),
         "outputs": _io(names + ["loss", "lr"], exported.out_avals,
-                       [REPLICATED_SPEC] * (len(names) + 2)),
+                       [_spec(dp.REPLICATED)] * (len(names) + 2)),
         "collectives": collective_summary(collectives(mlir), net),
         "convolutions": {"count": len(convs),
                          "dtypes": sorted({d for c in convs
@@ -345,36 +378,46 @@ def render(cfg: RenderConfig) -> Render:
     return Render(cfg, recipe, exported, mlir, serialized, manifest)
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    """Write via a temporary file in the same folder: a failed render leaves no partial file."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".render-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> what open() would have made
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def dump_manifest(manifest: dict) -> str:
+    """JSON with one line per input / output of the signature (hundreds of them)."""
+    parts = []
+    for key, value in manifest.items():
+        if key in ("inputs", "outputs"):
+            rows = ",\n".join("  " + json.dumps(v) for v in value)
+            parts.append(f' {json.dumps(key)}: [\n{rows}\n ]')
+        else:
+            parts.append(f" {json.dumps(key)}: " + json.dumps(value, indent=1).replace("\n",
+                                                                                       "\n "))
+    return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
 def write(r: Render, out: str) -> dict[str, str]:
-    """Write NAME.mlir, NAME.jaxexport and NAME.json into ``out``; returns {suffix: path}."""
+    """Write NAME.mlir, NAME.jaxexport and NAME.json into ``out``; returns {suffix: path}.
+    All three go to temporary files first and are renamed into place together, so a failed
+    write leaves neither partial files nor a manifest whose hashes describe other files."""
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, r.config.name)
     blobs = {".mlir": r.mlir.encode(), ".jaxexport": r.serialized}
-    paths = {}
-    for suffix, blob in blobs.items():
-        paths[suffix] = stem + suffix
-        _write_atomic(paths[suffix], blob)
-    r.manifest["files"] = {os.path.basename(paths[s]): {"bytes": len(b),
+    r.manifest["files"] = {os.path.basename(stem + s): {"bytes": len(b),
                                                          "sha256": hashlib.sha256(b).hexdigest()}
                            for s, b in blobs.items()}
-    paths[".json"] = stem + ".json"
-    _write_atomic(paths[".json"], (json.dumps(r.manifest, indent=1) + "\n").encode())
-    return paths
+    blobs[".json"] = dump_manifest(r.manifest).encode()
+    umask = os.umask(0)
+    os.umask(umask)
+    temps = {}
+    try:
+        for suffix, blob in blobs.items():
+            fd, temps[suffix] = tempfile.mkstemp(dir=out, prefix=".render-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.chmod(temps[suffix], 0o666 & ~umask)  # mkstemp's 0600 -> what open() makes
+        for suffix, tmp in temps.items():
+            os.replace(tmp, stem + suffix)
+    finally:
+        for tmp in temps.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return {suffix: stem + suffix for suffix in blobs}
 
 
 def all_names() -> list[str]:
@@ -394,9 +437,13 @@ def load(path: str) -> tuple[jax.export.Exported, dict]:
         raise RenderError(f"{path}: its manifest {manifest_path} is missing")
     with open(path, "rb") as f:
         blob = f.read()
-    with open(manifest_path) as f:
-        manifest = json.load(f)
-    digest = manifest["files"][os.path.basename(path)]["sha256"]
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        digest = manifest["files"][os.path.basename(path)]["sha256"]
+    except (ValueError, KeyError) as e:
+        raise RenderError(f"{manifest_path} is not the manifest of {os.path.basename(path)} "
+                          f"(renamed? {type(e).__name__}: {e})") from None
     if hashlib.sha256(blob).hexdigest() != digest:
         raise RenderError(f"{path}: sha256 differs from its manifest's (a different render?)")
     return jax.export.deserialize(bytearray(blob)), manifest

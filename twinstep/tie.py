@@ -47,6 +47,7 @@ F32_FLOOR = 1e-4
 FLOORS = {"f64": (F64_PARAM_BOUND, F64_STAT_BOUND), "f32": (F32_FLOOR, F32_FLOOR),
           "bf16": (F64_PARAM_BOUND, F64_STAT_BOUND)}
 SENSITIVITY_FACTOR = 10
+STEPS = 3  # whole-step ties: the default number of optimizer steps
 PERTURBATION_F32 = 1e-6  # ~8 f32 ulps; other precisions perturb by the same number of ulps
 
 
@@ -415,7 +416,7 @@ def train_programs(net, recipe, cfg: TieConfig, prec: Precision, opt):
     def replica(state, xs, ts, key):
         return step.train_step(net, recipe, opt, state, xs, ts, key, rep_ctx)
 
-    r, s = dp.REPLICATED, jax.sharding.PartitionSpec(None, dp.AXIS)  # micro-batches [k, R N]
+    r, s = dp.REPLICATED, dp.MICRO_BATCH
     return (dp.jit(single, cfg.fast_compile),
             dp.replica_map(replica, cfg.replicas, (r, s, s, r), (r, r), cfg.fast_compile))
 

@@ -119,10 +119,10 @@ def _grouped_weight_vjp(res: ConvRes, dy, groups):
 # ------------------------------------------------------------------------------ depthwise conv
 
 
-def default_depthwise_path() -> str:
+def default_depthwise_path(platform: str | None = None) -> str:
     """``shift`` on XLA:CPU (grouped convolutions are pathologically slow there), else
-    ``grouped``."""
-    return "shift" if jax.default_backend() == "cpu" else "grouped"
+    ``grouped``; ``platform``: the backend the program is for (default: this process's)."""
+    return "shift" if (platform or jax.default_backend()) == "cpu" else "grouped"
 
 
 def depthwise_forward(x, w, stride: int = 1, precision: Precision = F32, path: str | None = None):
