@@ -133,3 +133,11 @@ def test_cli_exit_codes_and_json(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "twinstep.cli", "tie", "resnet50", "--res", "30"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "multiple of 32" in bad.stderr
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """Keep compiled programs across this file's tests (overrides conftest's per-test release):
+    its ties share the single-device and replica programs (tie's lru caches), and recompiling
+    them per test doubled the file's time. `make test` runs this file in its own process."""
+    yield
