@@ -103,13 +103,9 @@ def abstract_state(net, recipe, classes: int, dtype):
     """(TrainState of ShapeDtypeStructs, optimizer) for the recipe at ``classes`` classes."""
     shapes = net.param_shapes(classes)
     params = {k: jax.ShapeDtypeStruct(s, dtype) for k, s in shapes.items()}
+    buffers = {k: jax.ShapeDtypeStruct(s, dtype) for k, s in layers.buffer_shapes(shapes).items()}
     opt = step.make_optimizer(recipe, params)
-
-    def init():
-        p = layers.init_params(jax.random.key(0), shapes, dtype=dtype)
-        return step.init_state(recipe, p, layers.init_buffers(shapes, dtype), opt)
-
-    return jax.eval_shape(init), opt
+    return jax.eval_shape(lambda p, b: step.init_state(recipe, p, b, opt), params, buffers), opt
 
 
 def flat_step(net, recipe, opt, ctx, treedef):
