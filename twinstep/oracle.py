@@ -245,32 +245,40 @@ def _hand_vjp(case: Case, batch, params, dy):
 
 
 def _cotangent(rng, y):
-    return jnp.asarray(rng.standard_normal(np.shape(y)), jnp.float64)
+    return rng.standard_normal(np.shape(y))
+
+
+def _jit(fn):
+    """These programs are small and each is compiled once: XLA's -O0 (`dp.FAST_COMPILE`, the same
+    numerics) compiles them faster than they would ever run."""
+    return dp.jit(fn, fast_compile=True)
 
 
 def check_vjp(case: Case, rng) -> Check:
     """Hand VJP vs jax.vjp of the same forward, worst norm-relative error over all inputs."""
-    y = jax.jit(lambda b, p: _fwd_out(case, b, p))(case.batch, case.params)
+    y = _jit(lambda b, p: _fwd_out(case, b, p))(case.batch, case.params)
     dy = _cotangent(rng, y)
-    hand = jax.jit(lambda b, p, g: _hand_vjp(case, b, p, g))(case.batch, case.params, dy)
-    ref = jax.jit(lambda b, p, g: jax.vjp(lambda b_, p_: _fwd_out(case, b_, p_), b, p)[1](g))(
+    hand = _jit(lambda b, p, g: _hand_vjp(case, b, p, g))(case.batch, case.params, dy)
+    ref = _jit(lambda b, p, g: jax.vjp(lambda b_, p_: _fwd_out(case, b_, p_), b, p)[1](g))(
         case.batch, case.params, dy)
     err = worst(zip(jax.tree.leaves(hand), jax.tree.leaves(ref), strict=True))
     return Check(case.name, "vjp vs jax.vjp", err, TOL_VJP)
 
 
 def check_fd(case: Case, rng) -> Check:
-    """<dy, (f(u + h v) - f(u - h v)) / 2h> vs <VJP(dy), v> for a random direction v."""
-    fwd = jax.jit(lambda b, p: _fwd_out(case, b, p))
+    """<dy, (f(u + h v) - f(u - h v)) / 2h> vs <VJP(dy), v> for a random direction v (the
+    arithmetic around the two programs in NumPy: eager JAX would compile each op per shape)."""
+    fwd = _jit(lambda b, p: _fwd_out(case, b, p))
     dy = _cotangent(rng, fwd(case.batch, case.params))
-    hand = jax.tree.leaves(jax.jit(lambda b, p, g: _hand_vjp(case, b, p, g))(
+    hand = jax.tree.leaves(_jit(lambda b, p, g: _hand_vjp(case, b, p, g))(
         case.batch, case.params, dy))
-    inputs = (case.batch, case.params)
+    inputs = jax.tree.map(np.asarray, (case.batch, case.params))
     v = jax.tree.map(lambda a: _cotangent(rng, a), inputs)
     shifted = [jax.tree.map(lambda a, d, s=s: a + s * FD_STEP * d, inputs, v) for s in (1, -1)]
-    plus, minus = (fwd(b, p) for b, p in shifted)
-    fd = float(jnp.sum(dy * (plus - minus)) / (2 * FD_STEP))
-    an = float(sum(jnp.sum(g * d) for g, d in zip(hand, jax.tree.leaves(v), strict=True)))
+    plus, minus = (np.asarray(fwd(b, p)) for b, p in shifted)
+    fd = float(np.sum(dy * (plus - minus)) / (2 * FD_STEP))
+    an = float(sum(np.sum(np.asarray(g) * d) for g, d in zip(hand, jax.tree.leaves(v),
+                                                               strict=True)))
     return Check(case.name, "vjp vs finite differences", abs(fd - an) / max(abs(an), 1e-12), TOL_FD)
 
 
@@ -289,13 +297,13 @@ def check_dp_facts(case: Case, count: int, rng, shift: float = 1.0,
     """Facts (1)-(3) for a per-example or BN op on ``count`` replicas (global batch = the case's
     batch, which must divide by ``count``)."""
     batch = tuple(dp.shift_shards(b, count, shift) for b in case.batch)
-    y, res = case.forward(SINGLE, batch, case.masks, case.params)
+    y = _jit(lambda b, p: _fwd_out(case, b, p))(batch, case.params)
     dy = _cotangent(rng, y)
-    d_batch, d_params = case.vjp(res, dy)
+    d_batch, d_params = _jit(lambda b, p, g: _hand_vjp(case, b, p, g))(batch, case.params, dy)
     rep = dp.replicas(count, control)
     run = dp.replica_map(lambda b, m, p, g: _replica_run(case, rep, b, m, p, g), count,
                          (dp.BATCH, dp.BATCH, dp.REPLICATED, dp.BATCH),
-                         (dp.BATCH, dp.BATCH, dp.REPLICATED))
+                         (dp.BATCH, dp.BATCH, dp.REPLICATED), fast_compile=True)
     ry, rd_batch, rd_params = run(batch, case.masks, case.params, dy)
     s = 2.5
     _, sd_batch, sd_params = run(batch, case.masks, case.params, s * dy)
