@@ -441,7 +441,8 @@ def run_steps_tie(cfg: TieConfig, recipe, steps: int, net=None, replica=None) ->
     replica = replica or python_replica
     rng = np.random.default_rng(cfg.seed + 1)
     n, k = cfg.replicas * cfg.batch, recipe.accum
-    ours, ref, nudged, reordered = state, state, state, state
+    ref, nudged, reordered = state, state, state
+    ours = dp.replicate(state, cfg.replicas)
     order, reverse = np.arange(n), np.arange(n)[::-1]
     report = StepsReport(cfg, [])
     for s in range(steps):
