@@ -1,6 +1,14 @@
 """Test session set-up: float64 for the exact checks, 8 virtual CPU devices for the replica
-programs (both before JAX's first operation), and a deterministic hypothesis profile so CI
-draws the same shapes every run."""
+programs (both before JAX's first operation), a deterministic hypothesis profile so CI draws the
+same shapes every run, and the tiers.
+
+Tiers (markers, pyproject.toml): ``slow`` compiles a whole network, ``oracle`` runs torch / timm,
+``all`` belongs to the exhaustive matrix. `make test-fast` runs ``not slow and not oracle and not
+all``, `make test` runs ``not all``, `make test-all` runs everything — with the hypothesis
+profile ``all`` (TWINSTEP_HYPOTHESIS=all) for the sweeps' full budget.
+"""
+
+import os
 
 import jax
 
@@ -10,15 +18,28 @@ from twinstep import dp  # noqa: E402
 
 dp.ensure_devices(8)
 
+import ctypes  # noqa: E402
 import gc  # noqa: E402
 
 import numpy as np  # noqa: E402
+import oracle_libs  # noqa: E402
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
-settings.register_profile("twinstep", derandomize=True, deadline=None, max_examples=12,
-                          suppress_health_check=[HealthCheck.too_slow], print_blob=True)
-settings.load_profile("twinstep")
+PROFILE = dict(derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+               print_blob=True)
+settings.register_profile("twinstep", max_examples=12, **PROFILE)
+settings.register_profile("all", max_examples=12, **PROFILE)
+settings.load_profile(os.environ.get("TWINSTEP_HYPOTHESIS", "twinstep"))
+# the whole-network sweeps: their explicit examples in `make test`, random draws too in test-all
+SWEEP_PHASES = (tuple(Phase) if os.environ.get("TWINSTEP_HYPOTHESIS") == "all"
+                else (Phase.explicit,))
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected
+def pytest_collection_modifyitems(config, items):
+    if not oracle_libs.available() and any(i.get_closest_marker("oracle") for i in items):
+        raise pytest.UsageError(oracle_libs.MISSING)
 
 
 @pytest.fixture
@@ -29,7 +50,12 @@ def rng():
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
     """Drop JAX's compiled executables after each test: the suite compiles hundreds of
-    whole-network programs, and kept alive together they outgrow a 24 GiB CI machine."""
+    whole-network programs, and kept alive together they outgrow a 24 GiB CI machine. (With the
+    persistent compilation cache that `make test` sets up, a program compiled again is loaded.)"""
     yield
     jax.clear_caches()
     gc.collect()
+    _LIBC.malloc_trim(0)  # hand the freed heap back: a worker's RSS would stay at its peak
+
+
+_LIBC = ctypes.CDLL("libc.so.6")

@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy
+from oracle_libs import timm, torch
 
 from twinstep import parity
 from twinstep.dp import FAST_COMPILE
@@ -46,6 +45,10 @@ LOSSES = ("ce", "bce")
 # two of them, so both the masked and the mask-free chains are checked against jax.grad.
 SHAPES = ((32, 2, False), (64, 4, False), (32, 4, True), (64, 2, True))
 SHAPES_IDS = [f"{r}px-n{n}{'-masked' if m else ''}" for r, n, m in SHAPES]
+# `make test` compiles two of them, one without masks and one with (test-all: all four)
+IN_MAKE_TEST = ((64, 4, False), (32, 4, True))
+SHAPE_PARAMS = [pytest.param(s, id=i, marks=() if s in IN_MAKE_TEST else pytest.mark.all)
+                for s, i in zip(SHAPES, SHAPES_IDS, strict=True)]
 # 32 px at batch 2, train mode: stage 3 runs on a 1x1 grid, so its BNs (and blocks.4.0's and
 # norm_head) see 2 rows per channel, many with variance << eps (the two examples nearly equal).
 # Such a BN divides x - mu by ~sqrt(eps): it amplifies its input's relative rounding by
@@ -165,19 +168,21 @@ def _compiled(res, n, masked):
     return jax.jit(_step).lower(*_args(res, n, masked, "ce")).compile(FAST_COMPILE)
 
 
-class _MaskMul(torch.nn.Module):
-    """timm's DropPath replaced by multiplication with OUR per-example mask (train mode only)."""
+def timm_model(params, buffers, dtype=None, drop_path=None, dropout=None):
+    """timm's model (float64 unless ``dtype``) with our weights; our masks in place of its
+    DropPath and classifier dropout."""
 
-    def __init__(self, mask):
-        super().__init__()
-        self.mask = mask
+    class _MaskMul(torch.nn.Module):
+        """timm's DropPath replaced by multiplication with OUR per-example mask (train mode)."""
 
-    def forward(self, x):
-        return x * self.mask.view(-1, 1, 1, 1) if self.training else x
+        def __init__(self, mask):
+            super().__init__()
+            self.mask = mask
 
+        def forward(self, x):
+            return x * self.mask.view(-1, 1, 1, 1) if self.training else x
 
-def timm_model(params, buffers, dtype=torch.float64, drop_path=None, dropout=None):
-    """timm's model with our weights; our masks in place of its DropPath and classifier dropout."""
+    dtype = dtype or torch.float64
     model = parity.to_timm(net, params, buffers, K).to(dtype)
     if drop_path is not None:
         for prefix, mask in zip(net.DROP_PATH_SITES, drop_path, strict=True):
@@ -199,8 +204,8 @@ def theirs(res: int, n: int, masked: bool, kind: str, perturb: float = 0.0):
     x, labels, drop_path, dropout = batch(res, n, masked)
     x = x * (1 + perturb * np.random.default_rng(1).standard_normal(x.shape))
     model = timm_model(params, buffers, drop_path=drop_path, dropout=dropout)
-    criterion = (LabelSmoothingCrossEntropy(loss.LABEL_SMOOTHING) if kind == "ce"
-                 else BinaryCrossEntropy(smoothing=BCE_SMOOTHING))
+    criterion = (timm.loss.LabelSmoothingCrossEntropy(loss.LABEL_SMOOTHING) if kind == "ce"
+                 else timm.loss.BinaryCrossEntropy(smoothing=BCE_SMOOTHING))
     tx = torch.tensor(x.transpose(0, 3, 1, 2))
     model.eval()  # first: the train forward below moves the running statistics
     with torch.no_grad():
@@ -231,8 +236,8 @@ def check_grads(grads, reference, res, drop_path, tol):
 # ------------------------------------------------------------------------ names and schedule
 
 
+@pytest.mark.oracle
 def test_param_and_buffer_names_match_timm():
-    import timm
 
     model = timm.create_model(net.TIMM_NAME, num_classes=K)
     theirs_ = [(k, tuple(v.shape)) for k, v in model.named_parameters()]
@@ -246,11 +251,10 @@ def test_param_and_buffer_names_match_timm():
     assert net.FEATURES == model.head_hidden_size and net.HEAD_WIDTH == model.num_features
 
 
+@pytest.mark.oracle
 def test_blocks_table_matches_timm():
     """Every layer's kernel, stride, groups, activation and every block's skip, from timm's
     modules (the table decodes to what timm builds)."""
-    import timm
-
     model = timm.create_model(net.TIMM_NAME, num_classes=K)
     assert len(net.blocks()) == len([m for s in model.blocks for m in s]) == 23
     assert sum(len(b.layers) == 4 for b in net.blocks()) == 13  # ExtraDW: both depthwise
@@ -267,8 +271,8 @@ def test_blocks_table_matches_timm():
     assert model.conv_head.bias is None and isinstance(model.norm_head.act, torch.nn.ReLU)
 
 
+@pytest.mark.oracle
 def test_drop_path_sites_and_rates_match_timm():
-    import timm
 
     rate = 0.23
     model = timm.create_model(net.TIMM_NAME, num_classes=K, drop_path_rate=rate)
@@ -280,9 +284,9 @@ def test_drop_path_sites_and_rates_match_timm():
                                rtol=1e-15)
 
 
+@pytest.mark.oracle
 def test_init_convention_matches_timm():
     """timm's MobileNetV4 init leaves every BN gamma at 1 (no zero-init-last)."""
-    import timm
 
     model = timm.create_model(net.TIMM_NAME, num_classes=K)
     assert net.zero_init_bns() == ()
@@ -293,8 +297,9 @@ def test_init_convention_matches_timm():
 # --------------------------------------------------------------- the explicit chain, jax.grad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", LOSSES)
-@pytest.mark.parametrize("shape", SHAPES, ids=SHAPES_IDS)
+@pytest.mark.parametrize("shape", SHAPE_PARAMS)
 def test_explicit_chain_matches_jax_grad(shape, kind):
     res, n, masked = shape
     _, _, grads, reference, _ = ours(res, n, masked, kind)
@@ -305,7 +310,9 @@ def test_explicit_chain_matches_jax_grad(shape, kind):
 
 
 @pytest.mark.parametrize("kind", LOSSES)
-@pytest.mark.parametrize("shape", SHAPES, ids=SHAPES_IDS)
+@pytest.mark.parametrize("shape", SHAPE_PARAMS)
+@pytest.mark.oracle
+@pytest.mark.slow
 def test_timm_parity(shape, kind):
     """Train logits, eval logits, all 233 gradients and the 154 running buffers after one step;
     on the masked shapes with OUR drop-path and dropout masks inside timm. At the
@@ -329,6 +336,8 @@ def test_timm_parity(shape, kind):
     assert max(rel(new_buffers[k], tbufs[k]) for k in tbufs) <= TOL_BUF
 
 
+@pytest.mark.oracle
+@pytest.mark.slow
 def test_timm_parity_float32():
     res, n, masked = SHAPES[1]
     params, buffers = weights()
@@ -373,6 +382,8 @@ def _act_after_start(uib):
 
 @pytest.mark.parametrize("control", [_stride_on_start, _act_after_start],
                          ids=["stride-on-start-dw", "relu-after-start-dw"])
+@pytest.mark.oracle
+@pytest.mark.slow
 def test_wrong_nets_fail_timm_parity(control, monkeypatch):
     """Two plausible misreadings of the UIB: the parity check must see each of them."""
     res, n, masked = SHAPES[1]

@@ -9,10 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import torch
-from timm.optim import Lamb, param_groups_weight_decay
-from timm.utils import ModelEmaV3
-from torch import nn
+from oracle_libs import timm, torch
 
 from twinstep import dp, ema, optim
 from twinstep.nets import mobilenetv4, resnet50
@@ -22,35 +19,40 @@ WD = 0.05
 LR = {"lamb": 0.05, "adamw": 0.02, "momentum": 0.1, "sgd": 0.1}
 STEPS = 3  # compared after step 1 and after step STEPS
 ZERO = ("layer1.0.conv2.weight", "layer1.0.bn2.weight")  # all-zero: trust ratio 1 (‖θ‖ = 0)
+pytestmark = pytest.mark.oracle  # every comparison runs torch / timm
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(8, 8, 1, bias=False), nn.BatchNorm2d(8)
-        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+def _tiny():
+    """A torch model with 4-D convs, a 2-D linear, BN γ/β and a bias, under timm's names
+    (layer1.0.bn1.weight, …). Defined here, not at module level: the file imports without torch."""
+    nn = torch.nn
 
-    def forward(self, x):
-        y = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(x + self.bn2(self.conv2(y)))
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(8, 8, 1, bias=False), nn.BatchNorm2d(8)
+            self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            y = torch.relu(self.bn1(self.conv1(x)))
+            return torch.relu(x + self.bn2(self.conv2(y)))
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8)
+            self.layer1 = nn.Sequential(Block())
+            self.fc = nn.Linear(8, 10)
+
+        def forward(self, x):
+            x = self.layer1(torch.relu(self.bn1(self.conv1(x))))
+            return self.fc(x.mean((2, 3)))
+
+    return Tiny()
 
 
-class Tiny(nn.Module):
-    """4-D convs, a 2-D linear, BN γ/β and a bias, under timm's names (layer1.0.bn1.weight, …)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8)
-        self.layer1 = nn.Sequential(Block())
-        self.fc = nn.Linear(8, 10)
-
-    def forward(self, x):
-        x = self.layer1(torch.relu(self.bn1(self.conv1(x))))
-        return self.fc(x.mean((2, 3)))
-
-
-def _model(params: dict, dtype) -> Tiny:
-    model = Tiny().to(torch.float64 if dtype == np.float64 else torch.float32)
+def _model(params: dict, dtype):
+    model = _tiny().to(torch.float64 if dtype == np.float64 else torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(torch.from_numpy(params[n].astype(dtype)))
@@ -60,7 +62,7 @@ def _model(params: dict, dtype) -> Tiny:
 def _problem(rng):
     """Parameters (two all-zero tensors) and STEPS gradient dicts, in f64. Per-tensor, per-step
     scales make the global norm ≫ 1 (the clip triggers) and vary, so the clip matters for Adam."""
-    shapes = {n: tuple(p.shape) for n, p in Tiny().named_parameters()}
+    shapes = {n: tuple(p.shape) for n, p in _tiny().named_parameters()}
     params = {n: (0.0 if n in ZERO else rng.uniform(0.2, 1.0)) * rng.normal(size=s)
               for n, s in shapes.items()}
     grads = [{n: 10 ** rng.uniform(-1, 1) * rng.normal(size=s) for n, s in shapes.items()}
@@ -77,9 +79,10 @@ def _torch(kind, wx, clip, params, grads, dtype):
     For adamw / momentum / sgd the clip is timm Lamb's g / max(‖g‖, 1), applied to p.grad."""
     model = _model(params, dtype)
     named = dict(model.named_parameters())
-    groups = param_groups_weight_decay(model, WD) if wx else model.parameters()
+    groups = timm.optim.param_groups_weight_decay(model, WD) if wx else model.parameters()
     if kind == "lamb":
-        opt = Lamb(groups, lr=LR[kind], weight_decay=WD, max_grad_norm=1.0 if clip else None)
+        opt = timm.optim.Lamb(groups, lr=LR[kind], weight_decay=WD,
+                              max_grad_norm=1.0 if clip else None)
     elif kind == "adamw":
         opt = torch.optim.AdamW(groups, lr=LR[kind], betas=(0.9, 0.999), eps=1e-8, weight_decay=WD)
     else:
@@ -203,7 +206,7 @@ def test_clip_is_timm_global_norm(rng):
     named = dict(model.named_parameters())
     for n, p in named.items():
         p.grad = torch.from_numpy(g[n].copy())
-    lamb = Lamb(param_groups_weight_decay(model, WD), max_grad_norm=1.0)
+    lamb = timm.optim.Lamb(timm.optim.param_groups_weight_decay(model, WD), max_grad_norm=1.0)
     theirs = float(lamb._get_clip_grad_norm())  # max(‖g‖, 1), the divisor
     ours = float(optax.tree.norm({n: jnp.asarray(v) for n, v in g.items()}))
     assert ours > 10 and abs(ours - theirs) <= 1e-14 * theirs
@@ -225,8 +228,8 @@ def test_decay_mask():
         mask = optim.decay_mask(shapes, True)
         assert (len(mask), sum(not m for m in mask.values())) == (tensors, one_d)
         assert all(optim.decay_mask(shapes, False).values())
-    model = Tiny()
-    no_decay = {id(p) for p in param_groups_weight_decay(model, WD)[0]["params"]}
+    model = _tiny()
+    no_decay = {id(p) for p in timm.optim.param_groups_weight_decay(model, WD)[0]["params"]}
     mask = optim.decay_mask(dict(model.named_parameters()), True)
     assert mask == {n: id(p) not in no_decay for n, p in model.named_parameters()}
 
@@ -290,9 +293,9 @@ def test_first_step_uses_lr_at_zero():
 
 
 def test_ema_decay_matches_timm():
-    model = Tiny()
+    model = _tiny()
     for warmup in ("none", "timm"):
-        timm_ema = ModelEmaV3(model, decay=0.9999, use_warmup=warmup == "timm")
+        timm_ema = timm.utils.ModelEmaV3(model, decay=0.9999, use_warmup=warmup == "timm")
         for step in [0, 1, 2, 3, 10, 1000, 31_623, 10 ** 6, 10 ** 7]:
             got = float(jax.jit(lambda s, w=warmup: ema.ema_decay(s, warmup=w))(step))
             assert got == pytest.approx(timm_ema.get_decay(step), rel=1e-15, abs=1e-15), step
@@ -316,7 +319,7 @@ def test_ema_matches_timm(warmup, decay, dtype, rng):
     in a train-mode forward, num_updates += 1, then both EMAs update with step=num_updates."""
     params, _ = _problem(rng)
     model = _model(params, dtype)
-    timm_ema = ModelEmaV3(model, decay=decay, use_warmup=warmup == "timm")
+    timm_ema = timm.utils.ModelEmaV3(model, decay=decay, use_warmup=warmup == "timm")
     ours = ema.ema_init(*_state(model))
     x = torch.from_numpy(rng.normal(size=(4, 3, 6, 6)).astype(dtype))
     for num_updates in range(1, 6):
@@ -341,7 +344,7 @@ def test_ema_off_by_one_breaks_parity(rng):
     """Counting the step one too high (decay 0.9999 instead of the copy on the first update)."""
     params, _ = _problem(rng)
     model = _model(params, np.float64)
-    timm_ema = ModelEmaV3(model)
+    timm_ema = timm.utils.ModelEmaV3(model)
     ours = ema.ema_init(*_state(model))
     with torch.no_grad():
         for p in model.parameters():

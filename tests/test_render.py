@@ -37,6 +37,7 @@ def example_f64(tmp_path_factory):
     return r, render.write(r, str(out))
 
 
+@pytest.mark.slow
 def test_rendering_twice_is_byte_identical(example_f64, tmp_path):
     first, paths = example_f64
     again = render.render(first.config)
@@ -49,6 +50,7 @@ def test_rendering_twice_is_byte_identical(example_f64, tmp_path):
     assert "test_render.py" not in first.mlir and "twinstep/" not in first.mlir
 
 
+@pytest.mark.slow
 def test_one_replica_render_is_the_single_device_render():
     cfg = render.RenderConfig(EXAMPLE, 1, **SMALL)
     one = render.render(cfg)
@@ -60,6 +62,7 @@ def test_one_replica_render_is_the_single_device_render():
     assert all(i["spec"] == [] for i in one.manifest["inputs"])  # nothing sharded
 
 
+@pytest.mark.slow
 def test_a_four_replica_render_needs_one_device(example_f64, tmp_path):
     """Lowered from an abstract mesh: a process with ONE device (and x64 off) renders the R = 4
     f64 step, and its three files are, byte for byte, the ones rendered here with 8 devices."""
@@ -81,6 +84,7 @@ def test_a_four_replica_render_needs_one_device(example_f64, tmp_path):
 
 @pytest.mark.parametrize("name", ["resnet50in160_lambaccdp4x128wxclipbcebf16",
                                   "mnv4in_emaaccdp8x128wxdowd005bf16"])
+@pytest.mark.slow
 def test_collectives_match_the_design_and_stay_f32(name):
     r = render.render(render.RenderConfig(name, 4, **SMALL))
     net = r.recipe.net
@@ -100,11 +104,13 @@ def test_collectives_match_the_design_and_stay_f32(name):
     assert c["by_site"]["grad"]["payload_bytes"] == 4 * scalars
 
 
+@pytest.mark.slow
 def test_f64_renders_reduce_in_f64(example_f64):
     c = example_f64[0].manifest["collectives"]
     assert c["by_kind"]["all_reduce"]["dtypes"] == ["f64"]
 
 
+@pytest.mark.slow
 def test_the_counter_sees_missing_collectives():
     """The counter is not blind: in the gradient step of the tie (the same sync sites), the
     unsynced control has only the gradients' and the loss's all-reduces. The whole step refuses
@@ -142,6 +148,7 @@ def test_the_collective_reader_sees_bf16_and_sites():
 
 @pytest.mark.parametrize("net,name", [("resnet50", "resnet50in_adamdp2bf16"),
                                       ("mnv4", "mnv4in_adamdp2bf16")])
+@pytest.mark.slow
 def test_bf16_renders_have_bf16_convolutions(net, name):
     """Forward, input-gradient and weight-gradient convolutions all take bf16 operands and give
     a bf16-TYPED result, in the StableHLO (on CPU; see the module docstring for the GPU)."""
@@ -163,6 +170,7 @@ def test_bf16_renders_have_bf16_convolutions(net, name):
         assert floats == {"float32"}, floats
 
 
+@pytest.mark.slow
 def test_bf16_renders_for_gpu_lower_depthwise_as_bf16_convolutions():
     r = render.render(render.RenderConfig("mnv4in_adamdp2bf16", 2, platform="cuda", **SMALL))
     shapes = get_net("mnv4").param_shapes(10).values()
@@ -173,6 +181,7 @@ def test_bf16_renders_for_gpu_lower_depthwise_as_bf16_convolutions():
                                           "dtypes": ["bf16"]}
 
 
+@pytest.mark.slow
 def test_manifest_describes_the_signature(example_f64):
     r, paths = example_f64
     with open(paths[".json"]) as f:
@@ -195,7 +204,7 @@ def test_manifest_describes_the_signature(example_f64):
 
 def _example_inputs(seed=3):
     """A trained-looking state (BN randomised), one batch, a key: the tie's own set-up."""
-    cfg = tie.TieConfig("resnet50", 4, 2, 32, 10, "ce", "f64", seed)
+    cfg = tie.TieConfig("resnet50", 4, 2, 32, 10, "ce", "f64", seed, fast_compile=True)
     net, recipe = get_net("resnet50"), parse(EXAMPLE)
     params, buffers, _, _ = tie.setup(cfg, net)
     opt = step.make_optimizer(recipe, params)
@@ -228,7 +237,9 @@ def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_p
             "    assert e.code in (0, None), e.code\n"
             "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'twinstep')\n"
             "assert not loaded, loaded\n")
+    # XLA_FLAGS: the -O0 of dp.FAST_COMPILE (the same numerics) for the artifact's compile
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = " ".join(f"--{k}={str(v).lower()}" for k, v in dp.FAST_COMPILE.items())
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        cwd=tmp_path, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -270,6 +281,7 @@ def test_tie_artifact_ties_the_render_and_catches_a_broken_one(example_f64, tmp_
                      "--fast-compile"]) == 1
 
 
+@pytest.mark.slow
 def test_cli_render_usage_errors(tmp_path, example_f64, capsys):
     def fails(argv, text):
         with pytest.raises(SystemExit) as e:
@@ -301,6 +313,7 @@ def test_cli_render_usage_errors(tmp_path, example_f64, capsys):
     assert not list(tmp_path.glob("**/.render-*"))
 
 
+@pytest.mark.slow
 def test_committed_manifests_are_current():
     """renders/ holds `render --all --replicas 4` manifests (the .mlir and .jaxexport are not
     committed): one per name, and each still describes what the code renders — signature,

@@ -5,8 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import timm
-import torch
+from oracle_libs import timm, torch
 
 from twinstep import info, oracle, parity, weights
 from twinstep.nets import layers, resnet50
@@ -24,6 +23,7 @@ def test_counts():
     assert round(d["gmacs"], 2) == 4.09
 
 
+@pytest.mark.oracle
 def test_names_order_shapes_match_timm():
     model = timm.create_model("resnet50", num_classes=K)
     theirs = {k: tuple(v.shape) for k, v in model.named_parameters()}
@@ -41,7 +41,10 @@ def model_state(seed, dtype=jnp.float64):
                                layers.init_buffers(shapes, dtype))
 
 
-@pytest.mark.parametrize("res,batch", [(32, 2), (32, 4), (64, 2), (64, 4)])
+@pytest.mark.slow
+@pytest.mark.parametrize("res,batch", [
+    pytest.param(32, 2, marks=pytest.mark.all), (32, 4),
+    pytest.param(64, 2, marks=pytest.mark.all), pytest.param(64, 4, marks=pytest.mark.all)])
 def test_explicit_chain_matches_jax_grad(res, batch, rng):
     params, buffers = model_state(res + batch)
     x = jnp.asarray(rng.standard_normal((batch, res, res, 3)))
@@ -66,7 +69,10 @@ def test_explicit_chain_matches_jax_grad(res, batch, rng):
         assert errs[worst] <= 1e-10, (kind, worst, errs[worst])
 
 
-@pytest.mark.parametrize("res,batch,loss_kind", [(64, 2, "ce"), (64, 2, "bce"), (32, 4, "ce")])
+@pytest.mark.parametrize("res,batch,loss_kind", [
+    (64, 2, "ce"), (64, 2, "bce"), pytest.param(32, 4, "ce", marks=pytest.mark.all)])
+@pytest.mark.oracle
+@pytest.mark.slow
 def test_parity_with_timm_f64(res, batch, loss_kind):
     r = parity.run_parity(resnet50, res, batch, "f64", loss_kind, K, seed=1)
     assert len(r.grad_errs) == 161
@@ -76,6 +82,8 @@ def test_parity_with_timm_f64(res, batch, loss_kind):
     assert r.ok
 
 
+@pytest.mark.oracle
+@pytest.mark.slow
 def test_parity_with_timm_f32_logits():
     r = parity.run_parity(resnet50, 64, 4, "f32", "ce", K, seed=2)
     assert r.logits_train_err <= 1e-4 and r.logits_eval_err <= 1e-4 and r.ok
@@ -93,6 +101,8 @@ def same_padded_maxpool(x):
     return y, pool.MaxPoolRes(x, y)
 
 
+@pytest.mark.oracle
+@pytest.mark.slow
 def test_controls_fail_parity(monkeypatch):
     swapped = parity.run_parity(resnet50, 64, 2, "f64", "ce", K, seed=1, tamper=swap_gammas)
     assert not swapped.ok and swapped.logits_train_err > 1e-3
@@ -122,6 +132,7 @@ def test_zero_init_last_gamma():
     assert len(resnet50.zero_init_bns()) == 16 and float(params["bn1.weight"][0]) == 1.0
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
 def test_checkpoints_round_trip_through_timm(suffix, tmp_path, rng):
     """A timm checkpoint runs in twinstep, and twinstep's weights load back into timm."""

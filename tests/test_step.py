@@ -8,12 +8,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
+from twinstep import dp, step, tie
 from twinstep import recipe as recipes
-from twinstep import step, tie
 from twinstep.nets import get_net, layers
 from twinstep.ops import batchnorm
 from twinstep.ops.precision import F64
+
+pytestmark = pytest.mark.slow  # whole ResNet-50 steps
+
+
+def jit(fn, **kw):
+    """XLA at -O0 (`dp.FAST_COMPILE`, the same numerics): each program here runs once or twice,
+    so compiling it is most of its cost."""
+    return jax.jit(fn, compiler_options=dp.FAST_COMPILE, **kw)
 
 
 def test_accumulation_is_the_mean_of_the_micro_steps():
@@ -25,11 +34,11 @@ def test_accumulation_is_the_mean_of_the_micro_steps():
     xs = jnp.asarray(rng.standard_normal((2, 4, 32, 32, 3)))
     ts = jnp.asarray(np.eye(10)[rng.integers(0, 10, (2, 4))])
     ctx = layers.Ctx(precision=F64)
-    grads, bufs, _ = jax.jit(lambda p, b, x, t: step.accumulate(
+    grads, bufs, _ = jit(lambda p, b, x, t: step.accumulate(
         net, rec, p, b, x, t, jax.random.key(0), ctx))(params, buffers, xs, ts)
 
     m = 1 - (1 - batchnorm.MOMENTUM) ** 0.5
-    micro = jax.jit(lambda p, b, x, t: step.grad_step(
+    micro = jit(lambda p, b, x, t: step.grad_step(
         net, p, b, x, t, ctx, "bce", alpha=0.0, momentum=m))
     from twinstep.ops import loss
     t0, t1 = (loss.bce_targets(t, 0.0, None) for t in ts)
@@ -41,7 +50,7 @@ def test_accumulation_is_the_mean_of_the_micro_steps():
     for name in buffers:
         assert tie.rel(bufs[name], b.buffers[name]) <= tie.F64_STAT_BOUND, name
     # a control: one micro-step at the full momentum moves the buffers elsewhere
-    c = jax.jit(lambda p, b, x, t: step.grad_step(net, p, b, x, t, ctx, "bce", alpha=0.0))(
+    c = jit(lambda p, b, x, t: step.grad_step(net, p, b, x, t, ctx, "bce", alpha=0.0))(
         params, buffers, xs[0], t0)
     assert max(tie.rel(c.buffers[k], a.buffers[k]) for k in buffers) > 1e-3
 
@@ -59,11 +68,11 @@ def test_the_optimizer_sees_the_clipped_mean_and_eval_reads_raw_or_ema():
     opt = step.make_optimizer(rec, params)
     state = step.init_state(rec, params, buffers, opt)
     # two steps, so the second has a nonzero learning rate (warmup starts at 0)
-    train = jax.jit(lambda st, x, t: step.train_step(net, rec, opt, st, x, t, key, ctx))
+    train = jit(lambda st, x, t: step.train_step(net, rec, opt, st, x, t, key, ctx))
     state = train(state, xs, ts)[0]
     new = train(state, xs, ts)[0]
 
-    grads, _, _ = jax.jit(lambda p, b: step.accumulate(net, rec, p, b, xs, ts, key, ctx))(
+    grads, _, _ = jit(lambda p, b: step.accumulate(net, rec, p, b, xs, ts, key, ctx))(
         state.params, state.buffers)
     assert optax.tree.norm(grads) > 1.0
     updates, _ = opt.update(grads, state.opt_state, state.params)
@@ -71,7 +80,7 @@ def test_the_optimizer_sees_the_clipped_mean_and_eval_reads_raw_or_ema():
     for name in params:
         assert tie.rel(new.params[name], expected[name]) <= tie.F64_PARAM_BOUND, name
     # a control: clipping each micro-step's gradient before the mean lands elsewhere
-    micro = jax.jit(lambda p, b, x, t: step.accumulate(net, rec, p, b, x, t, key, ctx)[0])
+    micro = jit(lambda p, b, x, t: step.accumulate(net, rec, p, b, x, t, key, ctx)[0])
     each = [micro(state.params, state.buffers, xs[i:i + 1], ts[i:i + 1]) for i in range(2)]
     each = [optax.tree.scale(min(1.0, 1.0 / float(optax.tree.norm(e))), e) for e in each]
     mean_of_clipped = jax.tree.map(lambda a, b: (a + b) / 2, *each)
@@ -79,7 +88,7 @@ def test_the_optimizer_sees_the_clipped_mean_and_eval_reads_raw_or_ema():
                                                           state.params)[0])
     assert max(tie.rel(moved[n], expected[n]) for n in params) > 1e-6
 
-    evaluate = jax.jit(lambda st, use_ema: step.eval_logits(net, st, xs[0], ctx, use_ema),
+    evaluate = jit(lambda st, use_ema: step.eval_logits(net, st, xs[0], ctx, use_ema),
                        static_argnums=1)
     with_ema = evaluate(new, True)
     direct = net.forward(*new.ema, xs[0], dataclasses.replace(ctx, train=False))[0]

@@ -2,7 +2,13 @@
 holds the same gradient, so accumulation, clip, optimizer, EMA and running statistics leave the
 R replicas in the single device's state at R*N — every parameter, optimizer-state, EMA and
 running-statistics tensor, after every one of three steps, float64. And the replicated-masks
-bug breaks it."""
+bug breaks it.
+
+`make test` ties one recipe that switches on every step feature at once (EMA, LAMB, k = 2
+accumulation, clip, wx, drop-path, classifier dropout, BCE) over two steps and runs the control
+on it; the recipes of the full matrix, at R = 2 and 4 over three steps, are marked ``all``
+(`make test-all`).
+"""
 
 import subprocess
 import sys
@@ -14,6 +20,7 @@ from twinstep import tie
 
 LAMB_ACC = "resnet50in_lambaccdp2x2wxclipbce"  # LAMB, k = 2, clip, wx, BCE
 ADAMW_EMA_MASKS = "mnv4in_emaadamdp2wxdropdo"  # AdamW, EMA, drop-path, dropout
+EVERY_FEATURE = "mnv4in_emalambaccdp2x2wxclipdropdobce"
 
 
 def run(name: str, replicas: int, steps: int = 3, control: str = "none") -> tie.StepsReport:
@@ -31,6 +38,21 @@ def fields(report: tie.StepsReport) -> dict:
 
 
 @pytest.mark.slow
+def test_every_step_feature_ties_over_two_steps_and_replicated_masks_break_it():
+    """Two steps: the first at lr(0) = 0 moves the optimizer state, the running statistics and
+    the EMA; the second moves the parameters from there."""
+    report = run(EVERY_FEATURE, 2, steps=2)
+    assert report.ok, report.verdict()
+    assert len(report.steps) == 2
+    rows = fields(report)
+    assert len(rows["params"]) == 233 and len(rows["buffers"]) == 2 * 77
+    assert len(rows["opt_state"]) >= 2 * 233 and len(rows["ema"]) == 233 + 2 * 77
+    broken = run(EVERY_FEATURE, 2, steps=1, control="replicated-masks")
+    assert not broken.ok and "NOT tied" in broken.verdict()
+
+
+@pytest.mark.slow
+@pytest.mark.all
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_resnet50_lamb_accumulation_clip_ties_over_three_steps(replicas):
     report = run(LAMB_ACC, replicas)
@@ -45,6 +67,7 @@ def test_resnet50_lamb_accumulation_clip_ties_over_three_steps(replicas):
 
 
 @pytest.mark.slow
+@pytest.mark.all
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_mnv4_adamw_ema_masks_ties_over_three_steps(replicas):
     report = run(ADAMW_EMA_MASKS, replicas)
@@ -54,6 +77,7 @@ def test_mnv4_adamw_ema_masks_ties_over_three_steps(replicas):
 
 
 @pytest.mark.slow
+@pytest.mark.all
 def test_replicated_masks_break_the_tie():
     report = run(ADAMW_EMA_MASKS, 2, steps=1, control="replicated-masks")
     assert not report.ok and "NOT tied" in report.verdict()
