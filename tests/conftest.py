@@ -4,8 +4,8 @@ same shapes every run, and the tiers.
 
 Tiers (markers, pyproject.toml): ``slow`` compiles a whole network, ``oracle`` runs torch / timm,
 ``all`` belongs to the exhaustive matrix. `make test-fast` runs ``not slow and not oracle and not
-all``, `make test` runs ``not all``, `make test-all` runs everything — with the hypothesis
-profile ``all`` (TWINSTEP_HYPOTHESIS=all) for the sweeps' full budget.
+all``, `make test` runs ``not all``, `make test-all` runs everything, with TWINSTEP_HYPOTHESIS=all
+for the whole-network sweeps' random draws (`SWEEP_PHASES`).
 """
 
 import os
@@ -26,14 +26,15 @@ import oracle_libs  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
-PROFILE = dict(derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-               print_blob=True)
-settings.register_profile("twinstep", max_examples=12, **PROFILE)
-settings.register_profile("all", max_examples=12, **PROFILE)
-settings.load_profile(os.environ.get("TWINSTEP_HYPOTHESIS", "twinstep"))
+settings.register_profile("twinstep", derandomize=True, deadline=None, max_examples=12,
+                          suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+settings.load_profile("twinstep")
 # the whole-network sweeps: their explicit examples in `make test`, random draws too in test-all
 SWEEP_PHASES = (tuple(Phase) if os.environ.get("TWINSTEP_HYPOTHESIS") == "all"
                 else (Phase.explicit,))
+
+
+_LIBC = ctypes.CDLL("libc.so.6")
 
 
 @pytest.hookimpl(trylast=True)  # after -m has deselected
@@ -56,6 +57,3 @@ def _release_compiled_programs():
     jax.clear_caches()
     gc.collect()
     _LIBC.malloc_trim(0)  # hand the freed heap back: a worker's RSS would stay at its peak
-
-
-_LIBC = ctypes.CDLL("libc.so.6")
