@@ -128,7 +128,9 @@ def draw_masks(net, recipe, key, rows: int, dtype) -> dict:
 MASK_BATCH_AXIS = {"drop_path": 1, "dropout": 0}
 
 
-def _shard_masks(masks: dict, rep, row_order=None) -> dict:
+def shard_masks(masks: dict, rep, row_order=None) -> dict:
+    """This replica's rows of the global batch's ``masks`` (`draw_masks`), along each kind's
+    `MASK_BATCH_AXIS`; on one device, the rows in ``row_order`` [R N] when given."""
     if row_order is not None:  # the same examples in another order keep their masks
         masks = {k: jnp.take(m, row_order, MASK_BATCH_AXIS[k]) for k, m in masks.items()}
     return {k: rep.shard_rows(m, MASK_BATCH_AXIS[k]) for k, m in masks.items()}
@@ -155,7 +157,7 @@ def accumulate(net, recipe, params: dict, buffers: dict, xs, ts, key, ctx: layer
         x, t, i = inp
         masks = draw_masks(net, recipe, jax.random.fold_in(key, i), n * rep.count, x.dtype)
         out = grad_step(net, params, bufs, x, t, ctx, recipe.loss,
-                        _shard_masks(masks, rep, row_order), alpha=alpha, momentum=momentum)
+                        shard_masks(masks, rep, row_order), alpha=alpha, momentum=momentum)
         grads = jax.tree.map(lambda a, g: a + g, grads, out.grads)
         return (grads, out.buffers, total + out.loss), None
 
