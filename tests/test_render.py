@@ -27,6 +27,8 @@ EXAMPLE = "resnet50in_adamdp2"
 BNS = {"resnet50": 53, "mnv4": 77}
 TENSORS = {"resnet50": 161, "mnv4": 233}
 SMALL = {"res": 32, "classes": 10}
+# the tests that read the example's render run on one pytest worker, which renders it once
+ON_EXAMPLE = pytest.mark.xdist_group("example_f64")
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,7 @@ def example_f64(tmp_path_factory):
     return r, render.write(r, str(out))
 
 
+@ON_EXAMPLE
 @pytest.mark.slow
 def test_rendering_twice_is_byte_identical(example_f64, tmp_path):
     first, paths = example_f64
@@ -62,6 +65,7 @@ def test_one_replica_render_is_the_single_device_render():
     assert all(i["spec"] == [] for i in one.manifest["inputs"])  # nothing sharded
 
 
+@ON_EXAMPLE
 @pytest.mark.slow
 def test_a_four_replica_render_needs_one_device(example_f64, tmp_path):
     """Lowered from an abstract mesh: a process with ONE device (and x64 off) renders the R = 4
@@ -104,6 +108,7 @@ def test_collectives_match_the_design_and_stay_f32(name):
     assert c["by_site"]["grad"]["payload_bytes"] == 4 * scalars
 
 
+@ON_EXAMPLE
 @pytest.mark.slow
 def test_f64_renders_reduce_in_f64(example_f64):
     c = example_f64[0].manifest["collectives"]
@@ -181,6 +186,7 @@ def test_bf16_renders_for_gpu_lower_depthwise_as_bf16_convolutions():
                                           "dtypes": ["bf16"]}
 
 
+@ON_EXAMPLE
 @pytest.mark.slow
 def test_manifest_describes_the_signature(example_f64):
     r, paths = example_f64
@@ -217,41 +223,41 @@ def _example_inputs(seed=3):
     return cfg, net, recipe, opt, state, xs, ts, jax.random.key(seed)
 
 
+@ON_EXAMPLE
 @pytest.mark.slow
 def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_path):
     """twinstep/artifact.py, in a process that imports no twinstep module, runs one step of
-    the deserialized render; its state is the Python replica step's, bit for bit."""
+    the deserialized render; its state is this process's run of the artifact, which
+    `test_tie_artifact_...` ties to the single-device Python step."""
     _, paths = example_f64
-    cfg, net, recipe, opt, state, xs, ts, key = _example_inputs()
+    _, _, _, _, state, xs, ts, key = _example_inputs()
     names = render.state_names(state)
     arrays = dict(zip(names, map(np.asarray, jax.tree.leaves(state)), strict=True))
     np.savez(tmp_path / "in.npz", xs=np.asarray(xs), ts=np.asarray(ts),
              key=np.asarray(jax.random.key_data(key)), **arrays)
+    run = render.artifact_step(*render.load(paths[".jaxexport"]), fast_compile=True)
+    ref, metrics = run(state, xs, ts, key)
     script = os.path.join(os.path.dirname(render.__file__), "artifact.py")
     code = ("import runpy, sys\n"
             f"sys.argv = ['artifact.py', {paths['.jaxexport']!r}, '--inputs', "
-            f"{str(tmp_path / 'in.npz')!r}, '--outputs', {str(tmp_path / 'out.npz')!r}]\n"
+            f"{str(tmp_path / 'in.npz')!r}, '--outputs', {str(tmp_path / 'out.npz')!r}, "
+            "'--fast-compile']\n"
             "try:\n"
             f"    runpy.run_path({script!r}, run_name='__main__')\n"
             "except SystemExit as e:\n"
             "    assert e.code in (0, None), e.code\n"
             "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'twinstep')\n"
             "assert not loaded, loaded\n")
-    # XLA_FLAGS: the -O0 of dp.FAST_COMPILE (the same numerics) for the artifact's compile
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = " ".join(f"--{k}={str(v).lower()}" for k, v in dp.FAST_COMPILE.items())
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=tmp_path, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     out = np.load(tmp_path / "out.npz")
-    _, replica = tie.train_programs(net, recipe, cfg, tie.tie_precision("f64"), opt)
-    ref, metrics = replica(state, xs, ts, key)
-    # Two compilations of one f64 program (the artifact's, the Python step's) fuse differently,
-    # so they round apart, and Adam divides each element by its own magnitude: held to the
-    # whole-step tie's bound, max(1e-10, 10 x what a rounding-sized input nudge moves the
-    # Python step by).
+    assert sorted(out) == sorted(names + ["loss", "lr"])
+    # Not bit for bit (the two processes' runs differ in the last bits, e.g. bn1.bias), so held
+    # to the whole-step tie's bound: max(1e-10, 10 x what a rounding-sized input nudge moves
+    # the step by).
     u = jax.random.normal(jax.random.key(1), xs.shape, xs.dtype)
-    nudged, _ = replica(state, xs * (1 + tie.perturbation(xs.dtype) * u), ts, key)
+    nudged, _ = run(state, xs * (1 + tie.perturbation(xs.dtype) * u), ts, key)
     ours = jax.tree.unflatten(jax.tree.structure(state), [out[n] for n in names])
     rows = tie.compare_states(ours, ref, (nudged,), tie.F64_PARAM_BOUND)
     assert len(rows) == len(names) and all(r["ok"] for r in rows), [
@@ -262,6 +268,12 @@ def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_p
         assert not np.array_equal(out[name], arrays[name]), name  # it stepped
 
 
+def test_the_runner_compiles_fast_as_twinstep_does():
+    from twinstep import artifact
+    assert artifact.FAST_COMPILE == dp.FAST_COMPILE
+
+
+@ON_EXAMPLE
 @pytest.mark.slow
 def test_tie_artifact_ties_the_render_and_catches_a_broken_one(example_f64, tmp_path):
     """`twinstep tie --artifact`: the deserialized program against the single-device Python
@@ -281,6 +293,7 @@ def test_tie_artifact_ties_the_render_and_catches_a_broken_one(example_f64, tmp_
                      "--fast-compile"]) == 1
 
 
+@ON_EXAMPLE
 @pytest.mark.slow
 def test_cli_render_usage_errors(tmp_path, example_f64, capsys):
     def fails(argv, text):

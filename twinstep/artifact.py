@@ -1,6 +1,6 @@
 """Run a twinstep render with no model code: jax, numpy and the render's manifest only.
 
-    python artifact.py NAME.jaxexport --inputs IN.npz --outputs OUT.npz
+    python artifact.py NAME.jaxexport --inputs IN.npz --outputs OUT.npz [--fast-compile]
 
 IN.npz holds one array per input of the manifest (NAME.json beside the artifact), by name:
 every state leaf ("step", "params/conv1.weight", ...), "xs", "ts" and "key". OUT.npz receives
@@ -18,12 +18,19 @@ import json
 import os
 import sys
 
+# XLA:CPU at -O0 with the loop emitters: the same numerics, a several times quicker compile and
+# a slower run (twinstep's dp.FAST_COMPILE, repeated here because this file imports no twinstep;
+# a test holds the two equal).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifact", help="NAME.jaxexport (NAME.json must lie beside it)")
     p.add_argument("--inputs", required=True, help=".npz with one array per manifest input")
     p.add_argument("--outputs", required=True, help=".npz to write the outputs to")
+    p.add_argument("--fast-compile", action="store_true",
+                   help="compile at -O0: the same numerics, a quicker compile, a slower run")
     args = p.parse_args(argv)
     if not args.artifact.endswith(".jaxexport"):
         p.error(f"{args.artifact}: an artifact is a NAME.jaxexport file")
@@ -60,7 +67,8 @@ def main(argv=None) -> int:
     mesh = Mesh(np.array(jax.devices()[:r]), (manifest["mesh"]["axis"],))
     placed = [jax.device_put(inputs[i["name"]], NamedSharding(mesh, PartitionSpec(*i["spec"])))
               for i in manifest["inputs"]]
-    outputs = exported.call(*placed)
+    outputs = jax.jit(exported.call,
+                      compiler_options=FAST_COMPILE if args.fast_compile else None)(*placed)
     np.savez(args.outputs, **{o["name"]: np.asarray(v)
                               for o, v in zip(manifest["outputs"], outputs, strict=True)})
     return 0
