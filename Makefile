@@ -46,21 +46,23 @@ PYTEST = cache=$$(mktemp -d "$${TMPDIR:-/tmp}/twinstep-jax-cache.XXXXXX"); \
 	JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
 	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 $(BIN)/python -m pytest
 WORKERS ?= 2
+# More pytest arguments, e.g. `make test ARGS="-x -k tie"` or ARGS=--durations=0.
+ARGS ?=
 
 # The inner loop: no whole-network compile, no oracle extra needed.
 test-fast: $(VENV)/.installed-dev
 	$(BIN)/ruff check twinstep tests bench
-	$(PYTEST) -q -n $(WORKERS) -m "not slow and not oracle and not all"
+	$(PYTEST) -q -n $(WORKERS) -m "not slow and not oracle and not all" $(ARGS)
 
 # What CI runs: every claim of the suite once, in its smallest configuration.
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check twinstep tests bench
-	$(PYTEST) -q -n $(WORKERS) -m "not all" --durations=20
+	$(PYTEST) -q -n $(WORKERS) -m "not all" --dist loadgroup --durations=20 $(ARGS)
 
 # The pre-release check: the complete matrix and the sweeps at full budget.
 test-all: $(VENV)/.installed-test
 	$(BIN)/ruff check twinstep tests bench
-	export TWINSTEP_HYPOTHESIS=all; $(PYTEST) -q -n $(WORKERS) --durations=20
+	export TWINSTEP_HYPOTHESIS=all; $(PYTEST) -q -n $(WORKERS) --dist loadgroup --durations=20 $(ARGS)
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check twinstep tests bench
