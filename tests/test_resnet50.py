@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from oracle_libs import timm, torch
 
-from twinstep import info, oracle, parity, weights
+from twinstep import dp, info, oracle, parity, weights
 from twinstep.nets import layers, resnet50
 from twinstep.ops import loss, pool
 from twinstep.ops.precision import F64
@@ -61,7 +61,7 @@ def test_explicit_chain_matches_jax_grad(res, batch, rng):
         return {k: jax.grad(lambda p, f=f: f(resnet50.forward(p, buffers, x, ctx)[0])[0])(p)
                 for k, f in losses.items()}
 
-    ours, ref = jax.jit(hand)(params), jax.jit(autodiff)(params)
+    ours, ref = dp.jit(hand, True)(params), dp.jit(autodiff, True)(params)  # -O0: same numerics
     for kind in losses:
         errs = {n: oracle.rel_err(ours[kind][n], ref[kind][n]) for n in params}
         assert len(errs) == 161
@@ -74,7 +74,7 @@ def test_explicit_chain_matches_jax_grad(res, batch, rng):
 @pytest.mark.oracle
 @pytest.mark.slow
 def test_parity_with_timm_f64(res, batch, loss_kind):
-    r = parity.run_parity(resnet50, res, batch, "f64", loss_kind, K, seed=1)
+    r = parity.run_parity(resnet50, res, batch, "f64", loss_kind, K, seed=1, fast_compile=True)
     assert len(r.grad_errs) == 161
     assert r.logits_train_err <= 1e-9 and r.logits_eval_err <= 1e-9
     assert r.worst_grad[1] <= 1e-8, r.worst_grad
@@ -85,7 +85,7 @@ def test_parity_with_timm_f64(res, batch, loss_kind):
 @pytest.mark.oracle
 @pytest.mark.slow
 def test_parity_with_timm_f32_logits():
-    r = parity.run_parity(resnet50, 64, 4, "f32", "ce", K, seed=2)
+    r = parity.run_parity(resnet50, 64, 4, "f32", "ce", K, seed=2, fast_compile=True)
     assert r.logits_train_err <= 1e-4 and r.logits_eval_err <= 1e-4 and r.ok
 
 
@@ -104,10 +104,11 @@ def same_padded_maxpool(x):
 @pytest.mark.oracle
 @pytest.mark.slow
 def test_controls_fail_parity(monkeypatch):
-    swapped = parity.run_parity(resnet50, 64, 2, "f64", "ce", K, seed=1, tamper=swap_gammas)
+    swapped = parity.run_parity(resnet50, 64, 2, "f64", "ce", K, seed=1, tamper=swap_gammas,
+                                 fast_compile=True)
     assert not swapped.ok and swapped.logits_train_err > 1e-3
     monkeypatch.setattr(pool, "maxpool_forward", same_padded_maxpool)
-    same = parity.run_parity(resnet50, 64, 2, "f64", "ce", K, seed=1)
+    same = parity.run_parity(resnet50, 64, 2, "f64", "ce", K, seed=1, fast_compile=True)
     assert not same.ok and same.logits_train_err > 1e-3
 
 

@@ -31,8 +31,7 @@ def matrix(*cases, keep):
 
 
 def run(**kw) -> tie.TieReport:
-    """A tie compiled at -O0 (dp.FAST_COMPILE: same numerics; these runs are compile-bound).
-    The CLI test below runs the default compile."""
+    """A tie compiled at -O0 (dp.FAST_COMPILE: same numerics; these runs are compile-bound)."""
     return tie.run_tie(tie.TieConfig(fast_compile=True, **kw))
 
 
@@ -155,9 +154,12 @@ def test_resnet50_tie_sweep(replicas, batch, shift, seed, loss):
 
 @pytest.mark.slow
 def test_cli_exit_codes_and_json(tmp_path):
+    """The R = 2 CE tie of `test_resnet50_ties_f64` through the CLI: in `make test` its programs
+    come from the run's compilation cache."""
     out = tmp_path / "tie.json"
     ok = subprocess.run([sys.executable, "-m", "twinstep.cli", "tie", "resnet50", "--replicas",
-                         "2", "--json", str(out)], capture_output=True, text=True, timeout=900)
+                         "2", "--fast-compile", "--json", str(out)], capture_output=True,
+                        text=True, timeout=900)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "tied: 161/161 parameters, 53/53 BN sites" in ok.stdout
     report = json.loads(out.read_text())

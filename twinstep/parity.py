@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from twinstep import dp
 from twinstep.nets import layers
 from twinstep.ops import loss as losses
 from twinstep.ops.precision import get_precision
@@ -106,10 +107,11 @@ def loss_and_targets(kind: str, labels, num_classes: int):
 
 def run_parity(net, res: int = 64, batch: int = 2, precision: str = "f64", loss: str = "ce",
                num_classes: int = 10, seed: int = 0, params=None, buffers=None,
-               tamper=None) -> ParityReport:
+               tamper=None, fast_compile: bool = False) -> ParityReport:
     """One train step and one eval forward of ``net`` in twinstep and in timm, same weights.
 
     ``tamper(params) -> params`` changes twinstep's copy only: a negative control.
+    ``fast_compile``: XLA compiles twinstep's two programs as `dp.FAST_COMPILE`.
 
     At 32² and batch 2, ResNet-50's layer4 runs at 1x1 with 2 rows per BN: each such BN maps its
     two values to +-1 up to eps, amplifying the relative error of their difference; nine in a
@@ -140,9 +142,9 @@ def run_parity(net, res: int = 64, batch: int = 2, precision: str = "f64", loss:
         return logits, net.backward(tape, dz), layers.update_running(b, stats)
 
     xj = jnp.asarray(x, prec.dtype)
-    logits, grads, new_buffers = jax.jit(train_step)(ours, buffers, xj)
-    eval_logits = jax.jit(lambda p, b, x: net.forward(p, b, x, layers.Ctx(
-        precision=prec, train=False))[0])(ours, buffers, xj)
+    logits, grads, new_buffers = dp.jit(train_step, fast_compile)(ours, buffers, xj)
+    eval_logits = dp.jit(lambda p, b, x: net.forward(p, b, x, layers.Ctx(
+        precision=prec, train=False))[0], fast_compile)(ours, buffers, xj)
 
     tdtype = "float64" if prec.name == "f64" else "float32"
     model = to_timm(net, params, buffers, num_classes, tdtype)
