@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from twinstep.ops.precision import F32, Precision
+from twinstep.ops.precision import F32, Precision, round_to
 from twinstep.ops.windows import pad_hw, scatter_window, window
 
 
@@ -57,12 +57,13 @@ def _conv(lhs, rhs, precision, dims, result_dtype=None, **kw):
     """One XLA convolution with conv-dtype operands and a conv-dtype-TYPED result."""
     cd, acc = precision.conv_dtype, precision.conv_accumulator
     if acc is None:
-        return lax.conv_general_dilated(lhs.astype(cd), rhs.astype(cd), dimension_numbers=dims,
+        return lax.conv_general_dilated(round_to(lhs, cd), round_to(rhs, cd),
+                                        dimension_numbers=dims,
                                         preferred_element_type=result_dtype or cd,
                                         **kw).astype(precision.dtype)
-    y = lax.conv_general_dilated(lhs.astype(cd).astype(acc), rhs.astype(cd).astype(acc),
+    y = lax.conv_general_dilated(round_to(lhs, cd).astype(acc), round_to(rhs, cd).astype(acc),
                                  dimension_numbers=dims, preferred_element_type=acc, **kw)
-    return y.astype(result_dtype or cd).astype(precision.dtype)
+    return round_to(y, result_dtype or cd).astype(precision.dtype)
 
 
 # ---------------------------------------------------------------------------------- dense conv
@@ -81,7 +82,7 @@ def conv2d_vjp(res: ConvRes, dy):
 def _grouped_forward(x, w, stride, precision, groups):
     p = conv_padding(w.shape[2])
     cd = precision.conv_dtype
-    xc, wc = x.astype(cd), w.astype(cd)
+    xc, wc = round_to(x, cd), round_to(w, cd)
     y = _conv(xc, wc, precision, ("NHWC", "OIHW", "NHWC"), window_strides=(stride, stride),
               padding=((p, p), (p, p)), feature_group_count=groups)
     path = "dense" if groups == 1 else "grouped"
@@ -133,7 +134,7 @@ def depthwise_forward(x, w, stride: int = 1, precision: Precision = F32, path: s
     if path != "shift":
         raise ValueError(f"unknown depthwise path {path!r}; choose 'shift' or 'grouped'")
     cd = precision.conv_dtype
-    xc, wc = x.astype(cd), w.astype(cd)
+    xc, wc = round_to(x, cd), round_to(w, cd)
     k = w.shape[2]
     xp = pad_hw(xc, conv_padding(k))
     ho, wo = conv_out_size(x.shape[1], k, stride), conv_out_size(x.shape[2], k, stride)
@@ -152,7 +153,7 @@ def depthwise_vjp(res: ConvRes, dy):
     k, p = w.shape[2], conv_padding(w.shape[2])
     n, h, wd, c = x.shape
     acc = _acc_dtype(precision)
-    dyc = dy.astype(precision.conv_dtype).astype(acc)
+    dyc = round_to(dy, precision.conv_dtype).astype(acc)
     # dx: each tap scatters dy * w[tap] back onto the positions it read (interior padding = s - 1).
     hp, wp = h + 2 * p, wd + 2 * p
     dxp = sum(scatter_window(dyc * w[:, 0, a, b].astype(acc), a, b, hp, wp, s)
@@ -172,4 +173,4 @@ def _acc_dtype(precision: Precision):
 
 def _round(y, precision: Precision):
     """Round to the conv result type, then back: the shift path's bf16-typed result."""
-    return y.astype(precision.conv_dtype).astype(precision.dtype)
+    return round_to(y, precision.conv_dtype).astype(precision.dtype)

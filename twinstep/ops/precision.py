@@ -66,6 +66,17 @@ class Precision:
         return self.conv_dtype if self.round_weight_grads else self.dtype
 
 
+def round_to(x, dtype):
+    """``x.astype(dtype)``, except float64 -> bfloat16 rounds through float32. XLA:CPU's own
+    f64 -> bf16 conversion depends on the CPU: with AVX512-BF16 it rounds through f32 (measured:
+    1 + 2^-8 + 2^-30 -> 1.0, where a single rounding gives 1 + 2^-7), elsewhere it can round once.
+    The two steps, each a correctly rounded conversion, give the same bits on every CPU — and
+    the same bits as the tie's bound computes (`twinstep.tie.bf16_bound`)."""
+    if x.dtype == jnp.float64 and dtype == jnp.bfloat16:
+        x = x.astype(jnp.float32)
+    return x.astype(dtype)
+
+
 F64, F32, BF16 = Precision("f64"), Precision("f32"), Precision("bf16")
 PRECISIONS = {p.name: p for p in (F64, F32, BF16)}
 
