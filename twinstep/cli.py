@@ -227,7 +227,8 @@ def cmd_tie_artifact(args) -> int:
     t0 = time.perf_counter()
     try:
         report = tie.run_steps_tie(cfg, r, args.steps,
-                                   replica=render.artifact_step(exported, m, args.fast_compile))
+                                   replica=render.artifact_step(exported, m, args.fast_compile,
+                                                                donate=True))
     except render.RenderError as e:  # its signature is not this step's
         print(f"twinstep tie: {e}", file=sys.stderr)
         return 2

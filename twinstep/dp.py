@@ -44,7 +44,8 @@ def replicate(tree, count: int):
     would compile it twice (a whole train step: ~80 s on this CPU)."""
     if count == 1:
         return tree
-    return jax.device_put(tree, NamedSharding(mesh(count), REPLICATED))
+    # copied, never aliased with ``tree``'s buffers: a program may donate the replicated tree
+    return jax.device_put(tree, NamedSharding(mesh(count), REPLICATED), may_alias=False)
 
 
 def abstract_mesh(count: int) -> AbstractMesh:
@@ -63,22 +64,25 @@ def replicas(count: int, control: str = "none") -> Replicas:
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
-def jit(fn, fast_compile: bool = False):
-    return jax.jit(fn, compiler_options=FAST_COMPILE if fast_compile else None)
+def jit(fn, fast_compile: bool = False, donate: tuple = ()):
+    """jax.jit; ``donate``: the argument numbers whose buffers the program may reuse (a caller
+    that steps a state and drops the old one holds one state, not two, while the step runs)."""
+    return jax.jit(fn, compiler_options=FAST_COMPILE if fast_compile else None,
+                   donate_argnums=donate)
 
 
 def replica_map(fn, count: int, in_specs, out_specs, fast_compile: bool = False,
-                on=None):
+                on=None, donate: tuple = ()):
     """jit(shard_map(fn)) over `mesh(count)` (or the mesh ``on``, e.g. `abstract_mesh`);
-    ``BATCH`` specs shard the leading axis.
+    ``BATCH`` specs shard the leading axis; ``donate`` as in `jit`.
 
     At one replica there is nothing to map: ``Replicas`` emits no collective, so the replica
     program is the single-device program, jit(fn), and is built as exactly that.
     """
     if count == 1:
-        return jit(fn, fast_compile)
+        return jit(fn, fast_compile, donate)
     return jit(jax.shard_map(fn, mesh=on or mesh(count), in_specs=in_specs, out_specs=out_specs,
-                             check_vma=True), fast_compile)
+                             check_vma=True), fast_compile, donate)
 
 
 BATCH = P(AXIS)  # sharded along the batch (leading) axis

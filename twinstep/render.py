@@ -445,12 +445,15 @@ def load(path: str) -> tuple[jax.export.Exported, dict]:
     return jax.export.deserialize(bytearray(blob)), manifest
 
 
-def artifact_step(exported: jax.export.Exported, manifest: dict, fast_compile: bool = False):
+def artifact_step(exported: jax.export.Exported, manifest: dict, fast_compile: bool = False,
+                  donate: bool = False):
     """The artifact as a replica step: (state, xs, ts, key) -> (state, {"loss", "lr"}), its
     arguments checked against the manifest's signature and placed on the first R devices as
-    the manifest shards them. fast_compile: XLA compiles the artifact as `dp.FAST_COMPILE`."""
+    the manifest shards them. fast_compile: XLA compiles the artifact as `dp.FAST_COMPILE`;
+    donate: the step may reuse the state's buffers (the caller drops the old state)."""
     r = manifest["replicas"]
-    call = dp.jit(exported.call, fast_compile)
+    state_args = tuple(range(len(manifest["inputs"]) - 3))  # all but xs, ts, key
+    call = dp.jit(exported.call, fast_compile, donate=state_args if donate else ())
     mesh = dp.mesh(r) if r > 1 else None
     inputs = manifest["inputs"]
 
