@@ -34,6 +34,11 @@ SWEEP_PHASES = (tuple(Phase) if os.environ.get("TWINSTEP_HYPOTHESIS") == "all"
                 else (Phase.explicit,))
 
 
+# XLA at -O0 (dp.FAST_COMPILE, the same numerics) pays where the compile dominates: MobileNetV4's
+# many small ops compile about twice as fast and run little. ResNet-50's programs run several
+# times slower at -O0 than they compile faster (bench/RESULTS.md), so its ties run at XLA's default.
+FAST_COMPILE_NETS = {"mnv4"}
+
 _LIBC = ctypes.CDLL("libc.so.6")
 
 

@@ -210,7 +210,7 @@ def test_manifest_describes_the_signature(example_f64):
 
 def _example_inputs(seed=3):
     """A trained-looking state (BN randomised), one batch, a key: the tie's own set-up."""
-    cfg = tie.TieConfig("resnet50", 4, 2, 32, 10, "ce", "f64", seed, fast_compile=True)
+    cfg = tie.TieConfig("resnet50", 4, 2, 32, 10, "ce", "f64", seed)
     net, recipe = get_net("resnet50"), parse(EXAMPLE)
     params, buffers, _, _ = tie.setup(cfg, net)
     opt = step.make_optimizer(recipe, params)
@@ -235,13 +235,12 @@ def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_p
     arrays = dict(zip(names, map(np.asarray, jax.tree.leaves(state)), strict=True))
     np.savez(tmp_path / "in.npz", xs=np.asarray(xs), ts=np.asarray(ts),
              key=np.asarray(jax.random.key_data(key)), **arrays)
-    run = render.artifact_step(*render.load(paths[".jaxexport"]), fast_compile=True)
+    run = render.artifact_step(*render.load(paths[".jaxexport"]))
     ref, metrics = run(state, xs, ts, key)
     script = os.path.join(os.path.dirname(render.__file__), "artifact.py")
     code = ("import runpy, sys\n"
             f"sys.argv = ['artifact.py', {paths['.jaxexport']!r}, '--inputs', "
-            f"{str(tmp_path / 'in.npz')!r}, '--outputs', {str(tmp_path / 'out.npz')!r}, "
-            "'--fast-compile']\n"
+            f"{str(tmp_path / 'in.npz')!r}, '--outputs', {str(tmp_path / 'out.npz')!r}]\n"
             "try:\n"
             f"    runpy.run_path({script!r}, run_name='__main__')\n"
             "except SystemExit as e:\n"
@@ -281,7 +280,7 @@ def test_tie_artifact_ties_the_render_and_catches_a_broken_one(example_f64, tmp_
     _, paths = example_f64
     report = tmp_path / "tie.json"
     assert cli.main(["tie", "--artifact", paths[".jaxexport"], "--steps", "2",
-                     "--fast-compile", "--json", str(report)]) == 0
+                     "--json", str(report)]) == 0
     rep = json.loads(report.read_text())
     assert rep["ok"] and rep["artifact"] == paths[".jaxexport"]
     # params (which move from the second step: lr(0) = 0), buffers, Adam's mu and nu, counts
@@ -289,8 +288,7 @@ def test_tie_artifact_ties_the_render_and_catches_a_broken_one(example_f64, tmp_
     broken = render.render(render.RenderConfig(EXAMPLE, 4, precision="f64",
                                                control="wrong-divisor", **SMALL))
     bad = render.write(broken, str(tmp_path / "broken"))
-    assert cli.main(["tie", "--artifact", bad[".jaxexport"], "--steps", "1",
-                     "--fast-compile"]) == 1
+    assert cli.main(["tie", "--artifact", bad[".jaxexport"], "--steps", "1"]) == 1
 
 
 @ON_EXAMPLE

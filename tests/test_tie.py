@@ -8,12 +8,13 @@ matrix (every R x loss x net, every control on MNv4, the sweep's random draws) i
 ``all`` (`make test-all`).
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
 
 import pytest
-from conftest import SWEEP_PHASES
+from conftest import FAST_COMPILE_NETS, SWEEP_PHASES
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -31,8 +32,8 @@ def matrix(*cases, keep):
 
 
 def run(**kw) -> tie.TieReport:
-    """A tie compiled at -O0 (dp.FAST_COMPILE: same numerics; these runs are compile-bound)."""
-    return tie.run_tie(tie.TieConfig(fast_compile=True, **kw))
+    cfg = tie.TieConfig(**kw)
+    return tie.run_tie(dataclasses.replace(cfg, fast_compile=cfg.net in FAST_COMPILE_NETS))
 
 
 def assert_tied(r: tie.TieReport):
@@ -158,7 +159,7 @@ def test_cli_exit_codes_and_json(tmp_path):
     come from the run's compilation cache."""
     out = tmp_path / "tie.json"
     ok = subprocess.run([sys.executable, "-m", "twinstep.cli", "tie", "resnet50", "--replicas",
-                         "2", "--fast-compile", "--json", str(out)], capture_output=True,
+                         "2", "--json", str(out)], capture_output=True,
                         text=True, timeout=900)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "tied: 161/161 parameters, 53/53 BN sites" in ok.stdout

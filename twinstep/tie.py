@@ -26,6 +26,7 @@ and rnd(R y) = R rnd(y) only then.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
 
@@ -67,8 +68,19 @@ class TieConfig:
     recipe: str | None = None  # whole-step ties (`run_steps_tie`): the recipe's name
 
 
+def host(x) -> np.ndarray:
+    """``x`` as a float64 NumPy array. A jax.Array whose first shard is the whole array (a
+    replicated state) is read through that shard: np.asarray on the array itself can keep its
+    host copy cached for the array's lifetime — a whole R-replica state twinned on the host."""
+    if isinstance(x, jax.Array) and len(x.addressable_shards) > 1:
+        first = x.addressable_shards[0].data
+        if first.shape == x.shape:
+            x = first
+    return np.asarray(x, np.float64)
+
+
 def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    a, b = host(a), host(b)
     d = np.linalg.norm(b)
     return float(np.linalg.norm(a - b) / (d if d > 0 else 1.0))
 
@@ -81,10 +93,9 @@ def grad_err(name: str, ours: dict, ref: dict) -> float:
     a, b = ours[name], ref[name]
     gamma = name[:-len("bias")] + "weight"
     if name.endswith(".bias") and gamma in ref and np.ndim(ref[gamma]) == 1:
-        scale = float(np.linalg.norm(np.asarray(ref[gamma], np.float64)))
-        if np.linalg.norm(np.asarray(b, np.float64)) <= 1e-10 * scale:
-            return float(max(np.linalg.norm(np.asarray(a, np.float64)),
-                             np.linalg.norm(np.asarray(b, np.float64))) / scale)
+        scale = float(np.linalg.norm(host(ref[gamma])))
+        if np.linalg.norm(host(b)) <= 1e-10 * scale:
+            return float(max(np.linalg.norm(host(a)), np.linalg.norm(host(b))) / scale)
     return rel(a, b)
 
 
@@ -162,8 +173,8 @@ def bf16_bound(partials, single):
     way)."""
     p = np.asarray(partials, np.float64)
 
-    def rnd(v):
-        return np.asarray(v, np.float64).astype(jnp.bfloat16).astype(np.float64)
+    def rnd(v):  # as the programs round (ops.precision.round_to: through f32)
+        return np.asarray(v, np.float64).astype(np.float32).astype(jnp.bfloat16).astype(np.float64)
 
     s = p.mean(0)
     bound = np.abs(rnd(p).mean(0) - rnd(s))
@@ -256,7 +267,7 @@ def run_tie(cfg: TieConfig, net=None) -> TieReport:
 
     parameters = []
     for name, shape in net.param_shapes(cfg.classes).items():
-        a, b = np.asarray(rep.grads[name], np.float64), np.asarray(ref.grads[name], np.float64)
+        a, b = host(rep.grads[name]), host(ref.grads[name])
         row = {"name": name, "shape": list(shape), "rel_err": grad_err(name, rep.grads, ref.grads),
                "abs_err": float(np.max(np.abs(a - b))), "sensitivity": sensitivity[name]}
         if prec.name == "bf16" and len(shape) == 4:
@@ -351,6 +362,23 @@ def _named_leaves(tree, prefix: str) -> dict:
     return groups
 
 
+class _Sqrt(collections.abc.Mapping):
+    """A group of leaves read as their square roots, one leaf at a time (a whole group's roots
+    held together would be another copy of the state's largest tensors)."""
+
+    def __init__(self, leaves: dict):
+        self.leaves = leaves
+
+    def __getitem__(self, name):
+        return np.sqrt(host(self.leaves[name]))
+
+    def __iter__(self):
+        return iter(self.leaves)
+
+    def __len__(self):
+        return len(self.leaves)
+
+
 def compare_states(ours, ref, moved: tuple, floor: float) -> list:
     """One row per state tensor (params, buffers, optimizer state, EMA, step counter), bound
     max(floor, 10 x SENSITIVITY): SENSITIVITY is how far the single device's own trajectories
@@ -366,7 +394,7 @@ def compare_states(ours, ref, moved: tuple, floor: float) -> list:
         for group, b in b_groups.items():
             a, ms = a_groups[group], [m[group] for m in m_groups]
             if group.endswith("/nu"):  # squared gradients: compare on the gradients' scale
-                a, b, *ms = (jax.tree.map(np.sqrt, d) for d in (a, b, *ms))
+                a, b, *ms = (_Sqrt(d) for d in (a, b, *ms))
             for name in b:
                 err = grad_err(name, a, b)
                 sens = max(grad_err(name, m, b) for m in ms)
@@ -406,7 +434,8 @@ class StepsReport:
 
 
 def train_programs(net, recipe, cfg: TieConfig, prec: Precision, opt):
-    """(single-device, replica) jitted `step.train_step` of the recipe."""
+    """(single-device, replica) jitted `step.train_step` of the recipe; each donates the state
+    it steps."""
     single_ctx = layers.Ctx(SINGLE, prec)
     rep_ctx = layers.Ctx(dp.replicas(cfg.replicas, cfg.control), prec)
 
@@ -417,8 +446,9 @@ def train_programs(net, recipe, cfg: TieConfig, prec: Precision, opt):
         return step.train_step(net, recipe, opt, state, xs, ts, key, rep_ctx)
 
     r, s = dp.REPLICATED, dp.MICRO_BATCH
-    return (dp.jit(single, cfg.fast_compile),
-            dp.replica_map(replica, cfg.replicas, (r, s, s, r), (r, r), cfg.fast_compile))
+    return (dp.jit(single, cfg.fast_compile, donate=(0,)),
+            dp.replica_map(replica, cfg.replicas, (r, s, s, r), (r, r), cfg.fast_compile,
+                           donate=(0,)))
 
 
 def run_steps_tie(cfg: TieConfig, recipe, steps: int, net=None, replica=None) -> StepsReport:
@@ -427,7 +457,8 @@ def run_steps_tie(cfg: TieConfig, recipe, steps: int, net=None, replica=None) ->
     compared after every step (f64: max(1e-10, 10 x SENSITIVITY) norm-relative per tensor, see
     `compare_states`). ``replica``: the R-replica step to tie, (state, xs [k, R N, ...], ts, key)
     -> (state, metrics) — by default the Python step; `twinstep.render.artifact_step` ties a
-    render's deserialized artifact instead."""
+    render's deserialized artifact instead. Every program may donate the state it steps: the
+    four trajectories start from copies."""
     from twinstep.nets import get_net
 
     net = net or get_net(cfg.net)
@@ -441,8 +472,9 @@ def run_steps_tie(cfg: TieConfig, recipe, steps: int, net=None, replica=None) ->
     replica = replica or python_replica
     rng = np.random.default_rng(cfg.seed + 1)
     n, k = cfg.replicas * cfg.batch, recipe.accum
-    ref, nudged, reordered = state, state, state
-    ours = dp.replicate(state, cfg.replicas)
+    ref, (nudged, reordered, ours) = state, jax.device_put((state,) * 3, may_alias=False)
+    ours = dp.replicate(ours, cfg.replicas)
+    del state, params, buffers  # each trajectory holds only its latest state
     order, reverse = np.arange(n), np.arange(n)[::-1]
     report = StepsReport(cfg, [])
     for s in range(steps):
