@@ -34,18 +34,25 @@ SWEEP_PHASES = (tuple(Phase) if os.environ.get("TWINSTEP_HYPOTHESIS") == "all"
                 else (Phase.explicit,))
 
 
-# XLA at -O0 (dp.FAST_COMPILE, the same numerics) pays where the compile dominates: MobileNetV4's
-# many small ops compile about twice as fast and run little. ResNet-50's programs run several
-# times slower at -O0 than they compile faster (bench/RESULTS.md), so its ties run at XLA's default.
+# XLA at -O0 (dp.FAST_COMPILE, the same numerics) halves a compile and runs the program 14-18x
+# slower (bench/opt_level.py): it pays only for programs that run once or twice. MobileNetV4's ties
+# are dominated by compiling their replica programs; ResNet-50's by running, so they run at the
+# default (its R = 4 whole-step tie: 148 s at -O0, 34 s at the default).
 FAST_COMPILE_NETS = {"mnv4"}
 
 _LIBC = ctypes.CDLL("libc.so.6")
 
 
-@pytest.hookimpl(trylast=True)  # after -m has deselected
+@pytest.hookimpl(trylast=True)  # after -m has deselected and xdist has named the groups
 def pytest_collection_modifyitems(config, items):
     if not oracle_libs.available() and any(i.get_closest_marker("oracle") for i in items):
         raise pytest.UsageError(oracle_libs.MISSING)
+    # a group's heavy tests share one worker (and its memory); xdist marks them "...@group"
+    grouping = getattr(config.option, "loadgroup", False)  # set on xdist's workers
+    if grouping and any(i.get_closest_marker("xdist_group") and "@" not in i.nodeid
+                        for i in items):
+        raise pytest.UsageError(f"pytest-xdist's --dist loadgroup did not group the tests under "
+                                f"pytest {pytest.__version__}: install pytest < 9.2")
 
 
 @pytest.fixture
