@@ -237,6 +237,7 @@ def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_p
              key=np.asarray(jax.random.key_data(key)), **arrays)
     run = render.artifact_step(*render.load(paths[".jaxexport"]))
     ref, metrics = run(state, xs, ts, key)
+    ref = jax.tree.map(tie.host, ref)  # one host copy, not the R = 4 replicated state
     script = os.path.join(os.path.dirname(render.__file__), "artifact.py")
     code = ("import runpy, sys\n"
             f"sys.argv = ['artifact.py', {paths['.jaxexport']!r}, '--inputs', "
@@ -257,6 +258,7 @@ def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_p
     # the step by).
     u = jax.random.normal(jax.random.key(1), xs.shape, xs.dtype)
     nudged, _ = run(state, xs * (1 + tie.perturbation(xs.dtype) * u), ts, key)
+    nudged = jax.tree.map(tie.host, nudged)
     ours = jax.tree.unflatten(jax.tree.structure(state), [out[n] for n in names])
     rows = tie.compare_states(ours, ref, (nudged,), tie.F64_PARAM_BOUND)
     assert len(rows) == len(names) and all(r["ok"] for r in rows), [
