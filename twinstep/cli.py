@@ -250,6 +250,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"twinstep {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
+    _add_certify(sub)
+    _add_info(sub)
+    _add_recipe(sub)
+    _add_parity(sub)
+    _add_tie(sub)
+    _add_render(sub)
+    return p
+
+
+def _add_certify(sub) -> None:
+    """The certify command: its arguments and handler."""
     c = sub.add_parser(
         "certify", help="certify the op library's hand-written VJPs (float64)",
         description="Check every op's hand-written VJP against jax.vjp (<= 1e-12) and central "
@@ -264,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     c.set_defaults(func=cmd_certify)
 
+
+def _add_info(sub) -> None:
+    """The info command: its arguments and handler."""
     from twinstep.nets import NETS
 
     i = sub.add_parser("info", help="tensor, scalar and BN counts and forward GMACs of a net",
@@ -276,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print JSON instead of a table")
     i.set_defaults(func=cmd_info)
 
+
+def _add_recipe(sub) -> None:
+    """The recipe command: its arguments and handler."""
     from twinstep import recipe
 
     r = sub.add_parser(
@@ -306,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print JSON instead of a table")
     r.set_defaults(func=cmd_recipe)
 
+
+def _add_parity(sub) -> None:
+    """The parity command: its arguments and handler."""
+    from twinstep.nets import NETS
+
     q = sub.add_parser(
         "parity", help="the net against timm + torch autograd, same random weights",
         description="Build timm's model with twinstep's random weights (BN gamma, beta and "
@@ -324,7 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(func=cmd_parity)
 
+
+def _add_tie(sub) -> None:
+    """The tie command: its arguments and handler."""
     from twinstep.collectives import CONTROLS
+    from twinstep.nets import NETS
     from twinstep.tie import TieConfig
 
     TIE_DEFAULTS.update({f.name: f.default for f in dataclasses.fields(TieConfig)})
@@ -388,7 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "and recipe come from the manifest")
     t.set_defaults(func=cmd_tie)
 
+
+def _add_render(sub) -> None:
+    """The render command: its arguments and handler."""
     from twinstep import render
+    from twinstep.collectives import CONTROLS
 
     d = sub.add_parser(
         "render", help="export a recipe's whole train step to StableHLO (jax.export)",
@@ -433,7 +463,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="render a deliberately broken step (a negative control that "
                         "'twinstep tie --artifact' must fail; the manifest records it)")
     d.set_defaults(func=cmd_render)
-    return p
 
 
 def _check_tie_args(parser, args) -> None:
