@@ -55,7 +55,7 @@ def programs(name: str):
         t0 = time.perf_counter()
         compiled = lowered.compile(dp.FAST_COMPILE if fast else None)
         seconds = time.perf_counter() - t0
-        # no donation here: the same state is stepped again and again
+        # train_programs donate the state: each run steps a fresh copy of it
         out[level] = (seconds, lambda c=compiled: block(c(*_copy(args))))
     return out
 
