@@ -1,13 +1,58 @@
-"""The networks, one file each. A net module provides NAME, TIMM_NAME, INPUT_MULTIPLE,
-``param_shapes(K)``, ``zero_init_bns()``, ``DROP_PATH_SITES``, ``forward(params, buffers, x, ctx,
-...) -> (logits, tape, stats)`` and ``backward(tape, dlogits) -> grads``."""
+"""The networks, one module each; a net module is a `Net` (the interface its callers use)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
 
 from twinstep.nets import mobilenetv4, resnet50
 
-NETS = {resnet50.NAME: resnet50, mobilenetv4.NAME: mobilenetv4}
+
+@runtime_checkable
+class Net(Protocol):
+    """What callers use of a net module. Shapes: N examples, K classes, H = W a multiple of
+    `INPUT_MULTIPLE`; activations NHWC, parameters in timm's names and shapes.
+
+    ``isinstance(module, Net)`` checks that every member is present (not their types)."""
+
+    NAME: str  # twinstep's name: "resnet50", "mnv4"
+    TIMM_NAME: str  # the timm model it matches, e.g. "mobilenetv4_conv_medium"
+    INPUT_MULTIPLE: int  # H and W of an input must be positive multiples of it
+    FEATURES: int  # the classifier's input width D (its weight is [K, D])
+    DROP_PATH_SITES: tuple[str, ...]  # block prefixes whose residual branch drop-path masks
+    MASKS: tuple[str, ...]  # the keyword mask arguments `forward` accepts, e.g. ("drop_path",)
+
+    def param_shapes(self, num_classes: int = 1000) -> dict[str, tuple[int, ...]]:
+        """{timm name: shape} in timm's ``named_parameters()`` order; the classifier is
+        [K, FEATURES] and [K] for K = num_classes."""
+        ...
+
+    def zero_init_bns(self) -> tuple[str, ...]:
+        """BN prefixes whose gamma starts at 0 (timm's init), possibly none."""
+        ...
+
+    def drop_path_rates(self, rate: float) -> tuple[float, ...]:
+        """timm's per-site drop-path rates for a model rate: one per `DROP_PATH_SITES` entry."""
+        ...
+
+    def forward(self, params: dict, buffers: dict, x: Any, ctx: Any,
+                **masks: Any) -> tuple[Any, Any, dict]:
+        """x [N, H, W, 3] -> (logits [N, K], tape, stats {bn prefix: BNStats}, empty in eval).
+
+        ``ctx`` is a `twinstep.nets.layers.Ctx`; ``masks`` are the keywords of `MASKS`, each
+        None or already scaled by 1 / keep: drop_path [len(DROP_PATH_SITES), N], dropout
+        [N, FEATURES]."""
+        ...
+
+    def backward(self, tape: Any, dlogits: Any) -> dict:
+        """d logits [N, K] -> {timm name: gradient}, every parameter of the forward's params,
+        in their order and shapes (this replica's, before any gradient collective)."""
+        ...
 
 
-def get_net(name: str):
+NETS: dict[str, Net] = {resnet50.NAME: resnet50, mobilenetv4.NAME: mobilenetv4}
+
+
+def get_net(name: str) -> Net:
     try:
         return NETS[name]
     except KeyError:

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax.numpy as jnp
-
 from twinstep.nets.layers import ConvBN, Ctx, conv_bn_forward, conv_bn_vjp
 from twinstep.ops import dense, elementwise, pool
 
@@ -41,6 +39,7 @@ INPUT_MULTIPLE = 32
 STEM_WIDTH = 32
 HEAD_WIDTH = 960
 FEATURES = 1280
+MASKS = ("drop_path", "dropout")  # the keyword masks `forward` takes
 
 # timm's arch_def for 'medium', stages 1-3: one row per arch string
 # ``uir_r{r}_a{a}_k{k}_s{s}_e{e}_c{c}`` (r repeats; a, k the start / middle depthwise kernels,
@@ -239,8 +238,3 @@ def _block_vjp(tape, dy, grads):
     for t in reversed(tapes):
         dy = conv_bn_vjp(t, dy, grads)
     return dy if d_shortcut is None else dy + d_shortcut
-
-
-def example_input(n: int, res: int, dtype=jnp.float32):
-    """Shape of an input batch: [n, res, res, 3] NHWC."""
-    return jnp.zeros((n, res, res, 3), dtype)

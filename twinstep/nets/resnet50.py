@@ -5,7 +5,8 @@ shapes are timm's state_dict keys (OIHW convs, ``fc.weight`` [K, 2048]), so a ti
 loads with no renaming. Activations are NHWC; the input is any multiple of 32.
 
     stem    conv1 7x7/2 3->64 -> bn1 -> ReLU -> max-pool 3x3/2 (pad 1, -inf)
-    stages  layer1..4: [3, 4, 6, 3] bottlenecks, widths 256/512/1024/2048, mid = width / 4
+    stages  layer1..4 (`STAGE_ROWS`): [3, 4, 6, 3] bottlenecks, widths 256/512/1024/2048,
+            mid = width / 4
     block   conv1 1x1 -> bn1 -> ReLU -> conv2 3x3/s -> bn2 -> ReLU -> conv3 1x1 -> bn3
             [-> drop-path] (+ shortcut: downsample.0 1x1/s -> downsample.1 in block 0) -> ReLU
     head    global average pool -> fc 2048 -> K
@@ -17,18 +18,25 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax.numpy as jnp
-
 from twinstep.nets.layers import ConvBN, Ctx, conv_bn_forward, conv_bn_vjp
 from twinstep.ops import activation, dense, elementwise, pool
 
 NAME = "resnet50"
 TIMM_NAME = "resnet50"
 INPUT_MULTIPLE = 32
-STAGES = (3, 4, 6, 3)
-WIDTHS = (256, 512, 1024, 2048)
 STEM_WIDTH = 64
-FEATURES = WIDTHS[-1]
+MASKS = ("drop_path",)  # the keyword masks `forward` takes
+
+# timm's resnet50 stages layer1..4: one row per stage (d bottlenecks of output width c, the
+# stage's first block striding by s on its 3x3 and projecting its shortcut).
+#   d  c     s
+STAGE_ROWS = (
+    (3, 256, 1),
+    (4, 512, 2),
+    (6, 1024, 2),
+    (3, 2048, 2),
+)
+FEATURES = STAGE_ROWS[-1][1]
 
 
 class Block(NamedTuple):
@@ -41,12 +49,12 @@ class Block(NamedTuple):
 
 
 def blocks() -> list[Block]:
-    """The 16 bottlenecks in order."""
+    """The 16 bottlenecks of `STAGE_ROWS` in order."""
     out, cin = [], STEM_WIDTH
-    for i, (depth, width) in enumerate(zip(STAGES, WIDTHS, strict=True)):
+    for i, (depth, width, stride) in enumerate(STAGE_ROWS):
         for j in range(depth):
             out.append(Block(f"layer{i + 1}.{j}", cin, width // 4, width,
-                             2 if j == 0 and i > 0 else 1, j == 0))
+                             stride if j == 0 else 1, j == 0))
             cin = width
     return out
 
@@ -152,8 +160,3 @@ def _bottleneck_vjp(tape, dy, grads):
         d_branch = elementwise.mask_vjp(m, d_branch)
     dx = conv_bn_vjp(t1, conv_bn_vjp(t2, conv_bn_vjp(t3, d_branch, grads), grads), grads)
     return dx + (conv_bn_vjp(td, d_shortcut, grads) if td is not None else d_shortcut)
-
-
-def example_input(n: int, res: int, dtype=jnp.float32):
-    """Shape of an input batch: [n, res, res, 3] NHWC."""
-    return jnp.zeros((n, res, res, 3), dtype)

@@ -138,7 +138,7 @@ def depthwise_forward(x, w, stride: int = 1, precision: Precision = F32, path: s
     k = w.shape[2]
     xp = pad_hw(xc, conv_padding(k))
     ho, wo = conv_out_size(x.shape[1], k, stride), conv_out_size(x.shape[2], k, stride)
-    acc = _acc_dtype(precision)
+    acc = precision.dtype  # bf16 operands multiply-add in the base dtype, as a conv does
     y = sum(window(xp, a, b, ho, wo, stride).astype(acc) * wc[:, 0, a, b].astype(acc)
             for a in range(k) for b in range(k))
     return _round(y, precision), ConvRes(xc, wc, stride, precision, "shift")
@@ -152,7 +152,7 @@ def depthwise_vjp(res: ConvRes, dy):
     x, w, s, precision = res.x, res.w, res.stride, res.precision
     k, p = w.shape[2], conv_padding(w.shape[2])
     n, h, wd, c = x.shape
-    acc = _acc_dtype(precision)
+    acc = precision.dtype  # as in `depthwise_forward`
     dyc = round_to(dy, precision.conv_dtype).astype(acc)
     # dx: each tap scatters dy * w[tap] back onto the positions it read (interior padding = s - 1).
     hp, wp = h + 2 * p, wd + 2 * p
@@ -164,11 +164,6 @@ def depthwise_vjp(res: ConvRes, dy):
     dw = jnp.stack([jnp.sum(dyc * window(xp, a, b, ho, wo, s), axis=(0, 1, 2))
                     for a in range(k) for b in range(k)], axis=-1).reshape(c, 1, k, k)
     return _round(dx, precision), (_round(dw, precision) if precision.round_weight_grads else dw)
-
-
-def _acc_dtype(precision: Precision):
-    """Multiply-adds of the shift path accumulate in f32 from bf16 operands (as a conv does)."""
-    return precision.dtype
 
 
 def _round(y, precision: Precision):

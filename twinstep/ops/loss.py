@@ -52,7 +52,18 @@ def bce(logits, targets, divisor=None):
     return jnp.sum(per) / divisor, (jax.nn.sigmoid(logits) - t) / divisor
 
 
-LOSSES = {"ce": smoothed_ce, "bce": bce}
+KINDS = ("ce", "bce")
+
+
+def value_and_cotangent(kind: str, logits, targets, divisor, alpha: float = LABEL_SMOOTHING):
+    """(mean loss, d logits [N, K]) of logits, targets [N, K]: ``"ce"`` is `smoothed_ce` with
+    label smoothing alpha, ``"bce"`` is `bce` on targets already transformed (`bce_targets`;
+    alpha unused). ``divisor``: `loss_divisor`'s, at this replica's batch."""
+    if kind == "ce":
+        return smoothed_ce(logits, targets, alpha, divisor)
+    if kind == "bce":
+        return bce(logits, targets, divisor)
+    raise ValueError(f"unknown loss {kind!r}; choose {' or '.join(KINDS)}")
 
 
 def loss_divisor(loss: str, n: int, k: int) -> int:

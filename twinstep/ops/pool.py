@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from twinstep.ops.conv import conv_out_size
 from twinstep.ops.windows import pad_hw, scatter_window, window
 
 POOL_K, POOL_S, POOL_P = 3, 2, 1
@@ -50,10 +49,6 @@ def maxpool_vjp(res: MaxPoolRes, dy):
             taken = taken | hit
             dxp = dxp + scatter_window(jnp.where(hit, dy, 0), a, b, hp, wp, POOL_S)
     return dxp[:, POOL_P:POOL_P + h, POOL_P:POOL_P + w, :]
-
-
-def maxpool_out_size(h: int) -> int:
-    return conv_out_size(h, POOL_K, POOL_S)
 
 
 def gap_forward(x):

@@ -78,7 +78,6 @@ def round_to(x, dtype):
 
 
 F64, F32, BF16 = Precision("f64"), Precision("f32"), Precision("bf16")
-PRECISIONS = {p.name: p for p in (F64, F32, BF16)}
 
 
 def get_precision(name: str | Precision) -> Precision:

@@ -1,0 +1,76 @@
+"""The net interface (`twinstep.nets.Net`): both nets provide it, ``MASKS`` names the keyword masks
+their forward takes, and ResNet-50's stage table gives timm's 16 bottlenecks. No compiles."""
+
+import inspect
+import types
+
+import pytest
+
+from twinstep.nets import NETS, Net, get_net, mobilenetv4, resnet50
+from twinstep.ops import loss
+
+NET_MODULES = [resnet50, mobilenetv4]
+MEMBERS = ("NAME", "TIMM_NAME", "INPUT_MULTIPLE", "FEATURES", "DROP_PATH_SITES", "MASKS",
+           "param_shapes", "zero_init_bns", "drop_path_rates", "forward", "backward")
+
+
+@pytest.mark.parametrize("net", NET_MODULES, ids=lambda m: m.NAME)
+def test_each_net_is_a_net(net):
+    assert isinstance(net, Net)
+    assert get_net(net.NAME) is net and NETS[net.NAME] is net
+
+
+@pytest.mark.parametrize("net", NET_MODULES, ids=lambda m: m.NAME)
+def test_masks_are_the_keywords_of_forward(net):
+    params = inspect.signature(net.forward).parameters
+    assert list(params)[:4] == ["params", "buffers", "x", "ctx"]
+    assert net.MASKS == tuple(list(params)[4:])
+    assert all(params[m].default is None for m in net.MASKS)  # a net runs without its masks
+
+
+def test_masks_of_each_net():
+    assert resnet50.MASKS == ("drop_path",)
+    assert mobilenetv4.MASKS == ("drop_path", "dropout")
+
+
+@pytest.mark.parametrize("missing", MEMBERS)
+def test_a_module_missing_a_member_is_not_a_net(missing):
+    """The negative control: a copy of ResNet-50's members is a Net, without any one it is not."""
+    fake = types.ModuleType("fake_net")
+    for name in MEMBERS:
+        setattr(fake, name, getattr(resnet50, name))
+    assert isinstance(fake, Net)
+    delattr(fake, missing)
+    assert not isinstance(fake, Net)
+
+
+def test_get_net_rejects_an_unknown_name():
+    with pytest.raises(ValueError) as e:
+        get_net("vgg")
+    assert str(e.value) == "unknown net 'vgg'; choose from ['mnv4', 'resnet50']"
+
+
+def test_resnet50_blocks_follow_the_stage_table():
+    depths = (3, 4, 6, 3)
+    bs = resnet50.blocks()
+    assert len(bs) == sum(depths) == 16
+    assert [b.prefix for b in bs] == [f"layer{i + 1}.{j}" for i, d in enumerate(depths)
+                                      for j in range(d)]
+    assert [b.cout for b in bs] == [256] * 3 + [512] * 4 + [1024] * 6 + [2048] * 3
+    assert [b.cin for b in bs] == ([64, 256, 256] + [256, 512, 512, 512]
+                                   + [512] + [1024] * 5 + [1024, 2048, 2048])
+    assert all(b.mid == b.cout // 4 for b in bs)
+    assert [b.stride for b in bs] == [1, 1, 1, 2, 1, 1, 1, 2, 1, 1, 1, 1, 1, 2, 1, 1]
+    assert [i for i, b in enumerate(bs) if b.projects] == [0, 3, 7, 13]
+    assert resnet50.FEATURES == 2048 and resnet50.DROP_PATH_SITES == tuple(b.prefix for b in bs)
+
+
+def test_loss_dispatch(monkeypatch):
+    monkeypatch.setattr(loss, "smoothed_ce", lambda z, t, alpha, d: ("ce", alpha, d))
+    monkeypatch.setattr(loss, "bce", lambda z, t, d: ("bce", d))
+    assert loss.KINDS == ("ce", "bce")
+    assert loss.value_and_cotangent("ce", None, None, 4) == ("ce", loss.LABEL_SMOOTHING, 4)
+    assert loss.value_and_cotangent("ce", None, None, 4, 0.0) == ("ce", 0.0, 4)
+    assert loss.value_and_cotangent("bce", None, None, 40, 0.3) == ("bce", 40)
+    with pytest.raises(ValueError, match=r"^unknown loss 'mse'; choose ce or bce$"):
+        loss.value_and_cotangent("mse", None, None, 4)
