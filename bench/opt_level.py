@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 from common import append_results, block, interleaved_medians  # noqa: E402
 
 from twinstep import recipe as recipes  # noqa: E402
-from twinstep import step, tie  # noqa: E402
+from twinstep import tie  # noqa: E402
 from twinstep.nets import NETS, get_net  # noqa: E402
 
 RECIPES = {"resnet50": "resnet50in_adamdp2", "mnv4": "mnv4in_adamdp2"}
@@ -40,23 +40,21 @@ def programs(name: str):
     cfg = tie.TieConfig(net=name, replicas=4, batch=r.batch, recipe=RECIPES[name])
     net = get_net(name)
     params, buffers, _, _ = tie.setup(cfg, net)
-    opt = step.make_optimizer(r, params)
-    state = step.init_state(r, params, buffers, opt)
     n = cfg.replicas * cfg.batch
     rng = np.random.default_rng(0)
     xs = rng.standard_normal((1, n, cfg.res, cfg.res, 3))
     ts = np.eye(cfg.classes)[rng.integers(0, cfg.classes, (1, n))]
-    args = (state, xs, ts, jax.random.key(0), np.arange(n))
     out = {}
     for level, fast in (("-O0", True), ("default", False)):
         single, _ = tie.train_programs(net, r, dataclasses.replace(cfg, fast_compile=fast),
-                                       tie.tie_precision("f64"), opt)
-        lowered = single.lower(*args)
+                                       tie.tie_precision("f64"))
+        args = (single.init(params, buffers), xs, ts, jax.random.key(0), np.arange(n))
+        lowered = single.step.lower(*args)
         t0 = time.perf_counter()
         compiled = lowered.compile(dp.FAST_COMPILE if fast else None)
         seconds = time.perf_counter() - t0
         # train_programs donate the state: each run steps a fresh copy of it
-        out[level] = (seconds, lambda c=compiled: block(c(*_copy(args))))
+        out[level] = (seconds, lambda c=compiled, a=args: block(c(*_copy(a))))
     return out
 
 

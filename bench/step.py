@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import append_results, block, interleaved_medians  # noqa: E402
 
-from twinstep import parity  # noqa: E402
+from twinstep import parity, program  # noqa: E402
 from twinstep.nets import NETS, layers  # noqa: E402
 from twinstep.ops import loss  # noqa: E402
 
@@ -36,11 +36,9 @@ def peers(net, res, batch, depthwise_path=None):
     t = jnp.asarray(np.eye(K, dtype=np.float32)[labels])
     xj = jnp.asarray(x)
     ctx = layers.Ctx(depthwise_path=depthwise_path)
-
-    @jax.jit
-    def explicit(p):
-        logits, tape, _ = net.forward(p, buffers, xj, ctx)
-        return net.backward(tape, loss.smoothed_ce(logits, t)[1])
+    # twinstep's step at one device: forward, loss, the explicit backward chain (+ the running
+    # statistics' update and the loss value, which the peers skip)
+    explicit = program.grad_program(net, 1, "ce", "f32", depthwise_path=depthwise_path)
 
     @jax.jit
     def autodiff(p):
@@ -54,19 +52,15 @@ def peers(net, res, batch, depthwise_path=None):
         model.zero_grad(set_to_none=True)
         crit(model(tx), tl).backward()
 
-    fns = {"explicit chain": lambda: block(explicit(params)),
+    fns = {"explicit chain": lambda: block(explicit(params, buffers, xj, t).grads),
            "jax.grad": lambda: block(autodiff(params)),
            "timm + torch autograd": torch_step}
     if net.NAME == "mnv4":
-        # The same chain with feature_group_count depthwise convs: the path SPEC §8 warns about.
-        grouped_ctx = layers.Ctx(depthwise_path="grouped")
-
-        @jax.jit
-        def explicit_grouped(p):
-            logits, tape, _ = net.forward(p, buffers, xj, grouped_ctx)
-            return net.backward(tape, loss.smoothed_ce(logits, t)[1])
-
-        fns["explicit chain, grouped depthwise"] = lambda: block(explicit_grouped(params))
+        # The same chain with feature_group_count depthwise convs: the path XLA:CPU runs slowly
+        # (docs/platform.md).
+        grouped = program.grad_program(net, 1, "ce", "f32", depthwise_path="grouped")
+        fns["explicit chain, grouped depthwise"] = lambda: block(
+            grouped(params, buffers, xj, t).grads)
     return fns
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from twinstep import cli, dp, render, step, tie
+from twinstep import cli, dp, hlo, optim, program, render, step, tie
 from twinstep.collectives import SITES
 from twinstep.nets import get_net
 from twinstep.recipe import parse
@@ -58,7 +58,7 @@ def test_one_replica_render_is_the_single_device_render():
     cfg = render.RenderConfig(EXAMPLE, 1, **SMALL)
     one = render.render(cfg)
     single = render.export_step(cfg, single=True).exported
-    assert render.collectives(one.mlir) == []
+    assert hlo.collectives(one.mlir) == []
     assert one.manifest["collectives"]["per_micro_step"] == 0
     assert one.mlir == single.mlir_module()
     assert one.exported.nr_devices == 1
@@ -126,7 +126,7 @@ def test_the_counter_sees_missing_collectives():
         params, buffers, x, t = tie.setup(cfg, net)
         program = tie.replica_program(net, cfg, tie.tie_precision("f64"))
         text = program.lower(params, buffers, x, t).as_text(debug_info=True)
-        ops = render.collectives(text)
+        ops = hlo.collectives(text)
         assert len(ops) == want, control
         assert {o["site"] for o in ops} == ({"grad", "loss"} if control == "unsynced"
                                             else set(SITES))
@@ -145,7 +145,7 @@ def test_the_collective_reader_sees_bf16_and_sites():
         "  stablehlo.return %4 : tensor<bf16> loc(#loc3)",
         "}) : (tensor<7x3xbf16>) -> tensor<7x3xbf16> loc(#loc3)",
         '#loc3 = loc("while/body/closed_call/bn_backward/psum_invariant")'])
-    (op,) = render.collectives(text)
+    (op,) = hlo.collectives(text)
     assert op == {"kind": "all_reduce", "site": "bn_backward", "operands": [((7, 3), "bf16")],
                   "bytes": 42}
     assert set(SITES) >= {"bn_forward_mean", "bn_forward_var", "bn_backward", "grad", "loss"}
@@ -158,7 +158,7 @@ def test_bf16_renders_have_bf16_convolutions(net, name):
     """Forward, input-gradient and weight-gradient convolutions all take bf16 operands and give
     a bf16-TYPED result, in the StableHLO (on CPU; see the module docstring for the GPU)."""
     r = render.render(render.RenderConfig(name, 2, **SMALL))
-    convs = render.convolutions(r.mlir)
+    convs = hlo.convolutions(r.mlir)
     assert convs and all(d == "bf16" for c in convs for _, d in c["operands"] + [c["result"]])
     dense = sum(len(s) == 4 and s[1] > 1 for s in get_net(net).param_shapes(10).values())
     # ResNet-50: 53 forward, 52 input gradients (none for the image), 53 weight gradients;
@@ -213,7 +213,7 @@ def _example_inputs(seed=3):
     cfg = tie.TieConfig("resnet50", 4, 2, 32, 10, "ce", "f64", seed)
     net, recipe = get_net("resnet50"), parse(EXAMPLE)
     params, buffers, _, _ = tie.setup(cfg, net)
-    opt = step.make_optimizer(recipe, params)
+    opt = optim.for_recipe(recipe, params)
     # every counter (step, Adam's, the schedule's) at 5: past lr(0) = 0, so parameters move
     state = jax.tree.map(lambda a: jnp.full_like(a, 5) if a.dtype == jnp.int32 else a,
                          step.init_state(recipe, params, buffers, opt))
@@ -235,7 +235,7 @@ def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_p
     arrays = dict(zip(names, map(np.asarray, jax.tree.leaves(state)), strict=True))
     np.savez(tmp_path / "in.npz", xs=np.asarray(xs), ts=np.asarray(ts),
              key=np.asarray(jax.random.key_data(key)), **arrays)
-    run = render.artifact_step(*render.load(paths[".jaxexport"]))
+    run = program.artifact_program(*render.load(paths[".jaxexport"]))
     ref, metrics = run(state, xs, ts, key)
     ref = jax.tree.map(tie.host, ref)  # one host copy, not the R = 4 replicated state
     script = os.path.join(os.path.dirname(render.__file__), "artifact.py")

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from twinstep import dp, step, tie
+from twinstep import dp, optim, step, tie
 from twinstep import recipe as recipes
 from twinstep.nets import get_net, layers
 from twinstep.ops import batchnorm
@@ -65,7 +65,7 @@ def test_the_optimizer_sees_the_clipped_mean_and_eval_reads_raw_or_ema():
     xs = jnp.asarray(rng.standard_normal((2, 4, 32, 32, 3)))
     ts = jnp.asarray(np.eye(10)[rng.integers(0, 10, (2, 4))])
     ctx, key = layers.Ctx(precision=F64), jax.random.key(3)
-    opt = step.make_optimizer(rec, params)
+    opt = optim.for_recipe(rec, params)
     state = step.init_state(rec, params, buffers, opt)
     # two steps, so the second has a nonzero learning rate (warmup starts at 0)
     train = jit(lambda st, x, t: step.train_step(net, rec, opt, st, x, t, key, ctx))

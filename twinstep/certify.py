@@ -6,9 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from twinstep import oracle
 
@@ -62,46 +59,3 @@ def run(replica_counts=(2, 4), seed: int = 0) -> Report:
                      for kind in ("ce", "bce")]
         variance.append((count, *oracle.variance_exchange_errors(count, rng)))
     return Report(checks, controls, variance)
-
-
-def print_report(report: Report, seconds: float, console: Console | None = None) -> None:
-    console = console or Console()
-    table = Table(title="op library certification (float64)")
-    for col in ("op", "check", "R", "worst err", "bound", ""):
-        table.add_column(col, justify="right" if col in ("R", "worst err", "bound") else "left")
-    groups: dict = {}
-    for c in report.checks:
-        key = (c.op, c.check)
-        groups.setdefault(key, []).append(c)
-    for (op, check), cs in groups.items():
-        ok = all(c.ok for c in cs)
-        rs = ",".join(str(c.replicas) for c in cs)
-        table.add_row(op, check, rs, f"{max(c.err for c in cs):.1e}", f"{cs[0].tol:.0e}",
-                      "[green]ok[/]" if ok else "[red]FAIL[/]")
-    console.print(table)
-
-    ctl = Table(title="negative controls (each must be caught: its check must fail)")
-    for col in ("control", "breaks", "R", "smallest err", ""):
-        ctl.add_column(col, justify="right" if col in ("R", "smallest err") else "left")
-    caught: dict = {}
-    for name, breaks, c in report.controls:
-        caught.setdefault((name, breaks), []).append(c)
-    for (name, breaks), cs in caught.items():
-        ctl.add_row(name, breaks, ",".join(str(c.replicas) for c in cs),
-                    f"{min(c.err for c in cs):.1e}",
-                    "[green]caught[/]" if not any(c.ok for c in cs) else "[red]MISSED[/]")
-    if report.variance:
-        naive = min(nv for _, _, nv in report.variance)
-        chan = max(ch for _, ch, _ in report.variance)
-        ctl.add_row(escape("E[x^2]-E[x]^2"), "f32 variance at offset 1e4",
-                    ",".join(str(r) for r, _, _ in report.variance),
-                    f"{naive:.1e} (Chan {chan:.1e})",
-                    "[green]caught[/]" if naive > 100 * chan else "[red]MISSED[/]")
-    console.print(ctl)
-    n_ok = sum(c.ok for c in report.checks)
-    n_caught = sum(not c.ok for _, _, c in report.controls)
-    verdict = "[green]certified[/]" if report.ok else "[red]NOT certified[/]"
-    worst_vjp = max(c.err for c in report.checks if c.check == "vjp vs jax.vjp")
-    console.print(f"{verdict}: {n_ok}/{len(report.checks)} checks hold, "
-                  f"{n_caught}/{len(report.controls)} controls caught, "
-                  f"worst VJP err {worst_vjp:.1e} ({seconds:.0f} s)")

@@ -8,45 +8,21 @@ published GMACs do not count it.
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from twinstep import hlo, program
 from twinstep.nets import layers
-
-_TENSOR = r"tensor<([0-9x]+)x[a-z0-9]+>"
-_CONV = re.compile(r"stablehlo\.convolution.*?:\s*\(" + _TENSOR + r",\s*" + _TENSOR + r"\)\s*->\s*"
-                   + _TENSOR)
-_DOT = re.compile(r"stablehlo\.dot_general.*?:\s*\(" + _TENSOR + r",\s*" + _TENSOR + r"\)\s*->\s*"
-                  + _TENSOR)
-
-
-def _dims(s: str) -> list[int]:
-    return [int(d) for d in s.split("x")]
-
-
-def count_macs(stablehlo: str) -> int:
-    """Multiply-accumulates of the forward convolutions (OIHW kernels) and dot products."""
-    macs = 0
-    for _, rhs, out in _CONV.findall(stablehlo):
-        k = _dims(rhs)
-        macs += int(np.prod(_dims(out))) * int(np.prod(k[1:]))
-    for lhs, _, out in _DOT.findall(stablehlo):
-        macs += int(np.prod(_dims(out))) * _dims(lhs)[-1]
-    return macs
 
 
 def forward_macs(net, res: int = 224, num_classes: int = 1000) -> int:
-    shapes = net.param_shapes(num_classes)
-    params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
-    buffers = {k: jax.ShapeDtypeStruct(s, jnp.float32)
-               for k, s in layers.buffer_shapes(shapes).items()}
+    """The eval forward's MACs at batch 1 (module docstring)."""
+    params, buffers = program.abstract_params(net, num_classes, jnp.float32)
     x = jax.ShapeDtypeStruct((1, res, res, 3), jnp.float32)
-    ctx = layers.Ctx(train=False, depthwise_path="grouped")
-    text = jax.jit(lambda p, b, x: net.forward(p, b, x, ctx)[0]).lower(params, buffers, x).as_text()
-    return count_macs(text)
+    # grouped depthwise: every convolution is one op
+    forward = program.eval_program(net, "f32", depthwise_path="grouped")
+    return hlo.macs(forward.lower(params, buffers, x).as_text())
 
 
 def describe(net, res: int = 224, num_classes: int = 1000) -> dict:

@@ -107,6 +107,20 @@ def make_optimizer(kind: str, learning_rate, weight_decay: float, wx: bool, clip
     return optax.chain(*chain)
 
 
+def recipe_schedule(recipe) -> optax.Schedule:
+    """A recipe's learning rate per optimizer step (`lr_schedule`)."""
+    return lr_schedule(recipe.lr, recipe.warmup_steps, recipe.total_steps)
+
+
+def for_recipe(recipe, params: dict) -> optax.GradientTransformation:
+    """A recipe's clip + optimizer at its schedule (`twinstep.recipe.Recipe`'s fields)."""
+    # timm's Lamb clips the global norm at 1.0 by default (max_grad_norm=1.0): a LAMB recipe
+    # clips with or without the `clip` token
+    clip = recipe.clip or recipe.optimizer == "lamb"
+    return make_optimizer(recipe.optimizer, recipe_schedule(recipe),
+                          recipe.effective_weight_decay, recipe.wx, clip, params)
+
+
 def apply(opt: optax.GradientTransformation, grads: dict, opt_state, params: dict):
     """One optimizer step: (new params, new optimizer state)."""
     updates, opt_state = opt.update(grads, opt_state, params)

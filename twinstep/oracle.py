@@ -26,6 +26,7 @@ import numpy as np
 
 from twinstep import dp
 from twinstep.collectives import SINGLE, Replicas
+from twinstep.compare import rel as rel_err
 from twinstep.ops import activation, batchnorm, conv, dense, elementwise, loss, pool
 from twinstep.ops.precision import F64
 
@@ -33,13 +34,6 @@ TOL_VJP = 1e-12  # hand VJP vs jax.vjp, norm-relative
 TOL_FD = 1e-6  # directional derivative vs central differences, relative
 FD_STEP = 1e-6
 TOL_DP = 1e-12  # each data-parallel fact, norm-relative
-
-
-def rel_err(a, b) -> float:
-    """||a - b|| / ||b|| (absolute when b = 0)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    den = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / (den if den > 0 else 1.0))
 
 
 def worst(pairs) -> float:

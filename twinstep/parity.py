@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twinstep import dp
+from twinstep import program
+from twinstep.compare import grad_err, rel
 from twinstep.nets import layers
 from twinstep.ops import loss as losses
 from twinstep.ops.precision import get_precision
-from twinstep.tie import grad_err, rel
 
 # Bounds: logits relative to max |logit|; gradients and buffers norm-relative per tensor.
 # In f32 only the logits are judged: two f32 implementations that sum in different orders
@@ -92,16 +92,17 @@ class ParityReport:
 
 
 def loss_and_targets(kind: str, labels, num_classes: int):
-    """(our loss fn z -> (value, dz), timm's criterion, torch targets) for integer labels."""
+    """(our targets [N, K] as `step.grad_step` takes them, timm's criterion, torch targets) for
+    integer labels."""
     torch, _ = _torch()
     from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy
 
-    onehot = jnp.asarray(np.eye(num_classes)[labels])
+    onehot = np.eye(num_classes)[labels]
     if kind == "ce":
-        return (lambda z: losses.smoothed_ce(z, onehot.astype(z.dtype)),
-                LabelSmoothingCrossEntropy(losses.LABEL_SMOOTHING), torch.tensor(labels))
-    t = losses.bce_targets(onehot, 0.1)  # timm's BinaryCrossEntropy default smoothing
-    return (lambda z: losses.bce(z, t.astype(z.dtype)), BinaryCrossEntropy(smoothing=0.1),
+        return (onehot, LabelSmoothingCrossEntropy(losses.LABEL_SMOOTHING),
+                torch.tensor(labels))
+    # timm's BinaryCrossEntropy default smoothing, its targets transformed as the step expects
+    return (losses.bce_targets(onehot, 0.1), BinaryCrossEntropy(smoothing=0.1),
             torch.tensor(labels))
 
 
@@ -132,19 +133,14 @@ def run_parity(net, res: int = 64, batch: int = 2, precision: str = "f64", loss:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, res, res, 3))
     labels = rng.integers(0, num_classes, batch)
-    our_loss, criterion, tlabels = loss_and_targets(loss, labels, num_classes)
+    targets, criterion, tlabels = loss_and_targets(loss, labels, num_classes)
 
     ours = tamper(params) if tamper else params
-
-    def train_step(p, b, x):
-        logits, tape, stats = net.forward(p, b, x, layers.Ctx(precision=prec))
-        _, dz = our_loss(logits)
-        return logits, net.backward(tape, dz), layers.update_running(b, stats)
-
     xj = jnp.asarray(x, prec.dtype)
-    logits, grads, new_buffers = dp.jit(train_step, fast_compile)(ours, buffers, xj)
-    eval_logits = dp.jit(lambda p, b, x: net.forward(p, b, x, layers.Ctx(
-        precision=prec, train=False))[0], fast_compile)(ours, buffers, xj)
+    out = program.grad_program(net, 1, loss, prec, fast_compile=fast_compile)(
+        ours, buffers, xj, jnp.asarray(targets, prec.dtype))
+    logits, grads, new_buffers = out.logits, out.grads, out.buffers
+    eval_logits = program.eval_program(net, prec, fast_compile)(ours, buffers, xj)
 
     tdtype = "float64" if prec.name == "f64" else "float32"
     model = to_timm(net, params, buffers, num_classes, tdtype)

@@ -23,6 +23,10 @@ import dataclasses
 import re
 from decimal import Decimal
 
+from twinstep.ema import DECAY as EMA_DECAY
+from twinstep.ema import WARMUPS as EMA_WARMUPS
+from twinstep.ops import loss as losses
+
 NET_RES = {"resnet50": 224, "mnv4": 256}  # the net's default train resolution
 DATASETS = {"in": "ImageNet-1k"}
 OPTIMIZERS = {  # optimizer -> its name token ("" for AdamW with accumulation: "acc" alone)
@@ -36,8 +40,6 @@ DEFAULT_LR = {"lamb": 5e-3, "adamw": 4e-3, "momentum": 0.1, "sgd": 0.1}
 DEFAULT_WEIGHT_DECAY = {"lamb": 0.02, "adamw": 0.05, "momentum": 1e-4, "sgd": 1e-4}
 DEFAULT_DROP_PATH = {"resnet50": 0.05, "mnv4": 0.075}
 DEFAULT_BATCH = 32
-CE_LABEL_SMOOTHING = 0.1  # SPEC §4: CE smooths by 0.1 unless the name says otherwise; BCE by 0
-EMA_WARMUPS = ("none", "timm", "tf")
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
 
@@ -79,7 +81,7 @@ class Recipe:
     drop_path_rate: float | None = None  # used only with drop
     dropout_rate: float = 0.2  # used only with dropout
     bce_threshold: float | None = None  # used only with bce
-    ema_decay: float = 0.9999
+    ema_decay: float = EMA_DECAY
     ema_warmup: str = "none"  # none | timm | tf (SPEC §6)
     warmup_steps: int = 10
     total_steps: int = 100
@@ -166,7 +168,7 @@ class Recipe:
         """The name's α, else 0.1 for CE and 0 for BCE (SPEC §4)."""
         if self.label_smoothing is not None:
             return self.label_smoothing
-        return 0.0 if self.bce else CE_LABEL_SMOOTHING
+        return 0.0 if self.bce else losses.LABEL_SMOOTHING
 
     def effective_batch(self, replicas: int) -> int:
         """Examples per optimizer step: R·N·k."""

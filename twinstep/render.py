@@ -27,25 +27,23 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
 import math
 import os
-import re
 import tempfile
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import twinstep
-from twinstep import dp, step
+from twinstep import dp, hlo, program, runtime, step
 from twinstep import recipe as recipes
-from twinstep.collectives import GRADIENT_ONLY_CONTROLS, SINGLE, SITES
+from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS, SITES
+from twinstep.errors import UsageError
 from twinstep.nets import get_net, layers
 from twinstep.ops import conv
+from twinstep.ops.precision import NAMES as PRECISIONS
 from twinstep.ops.precision import get_precision
 
 # SPEC §3's reference count per micro-step: 3 per BN (mean, variance, backward pair) + 1 per
@@ -60,12 +58,18 @@ MANIFEST_KEYS = ("name", "recipe", "versions", "platform", "net", "replicas", "b
                  "files")
 
 
-class RenderError(ValueError):
+class RenderError(UsageError):
     """A render that cannot be made as asked (bad name, resolution, replica count)."""
+
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
 class RenderConfig:
+    """What to render; checks itself on construction (RenderError, one line) and resolves the
+    recipe (``recipe``) and, when None, the resolution and precision from it."""
+
     name: str  # a recipe name or preset (twinstep.recipe)
     replicas: int = 1
     res: int | None = None  # None: the recipe's train resolution
@@ -73,6 +77,37 @@ class RenderConfig:
     precision: str | None = None  # None: the recipe's (bf16 with the bf16 token, else f32)
     platform: str | None = None  # None: this process's backend; the depthwise path follows it
     control: str = "none"  # a negative control (twinstep.collectives.CONTROLS): a broken step
+
+    def __post_init__(self):
+        try:
+            recipe = recipes.parse(self.name)
+            step.check_recipe(get_net(recipe.net), recipe)
+        except ValueError as e:
+            raise RenderError(str(e)) from None
+        net = get_net(recipe.net)
+        res = self.res or recipe.train_res
+        if res <= 0 or res % net.INPUT_MULTIPLE:
+            raise RenderError(f"--res must be a positive multiple of {net.INPUT_MULTIPLE} for "
+                              f"{net.NAME}, got {res}")
+        if self.replicas < 1:
+            raise RenderError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.control not in CONTROLS:
+            raise RenderError(f"unknown --control {self.control!r}; choose from "
+                              f"{', '.join(CONTROLS)}")
+        if self.control != "none" and self.replicas == 1:
+            raise RenderError(f"control {self.control!r} breaks a collective; R = 1 has none")
+        if self.control in GRADIENT_ONLY_CONTROLS:
+            raise RenderError(f"control {self.control!r} leaves each replica its own running "
+                              f"statistics, which a whole step's replicated state cannot hold")
+        if self.classes < 2:
+            raise RenderError(f"--classes must be >= 2, got {self.classes}")
+        for field, allowed in (("precision", PRECISIONS), ("platform", PLATFORMS)):
+            if getattr(self, field) not in (None, *allowed):
+                raise RenderError(f"unknown --{field} {getattr(self, field)!r}; choose from "
+                                  f"{', '.join(allowed)}")
+        object.__setattr__(self, "recipe", recipe)
+        object.__setattr__(self, "res", res)
+        object.__setattr__(self, "precision", self.precision or ("bf16" if recipe.bf16 else "f32"))
 
 
 @dataclasses.dataclass
@@ -99,50 +134,6 @@ def state_names(state) -> list[str]:
             jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
-def abstract_state(net, recipe, classes: int, dtype):
-    """(TrainState of ShapeDtypeStructs, optimizer) for the recipe at ``classes`` classes."""
-    shapes = net.param_shapes(classes)
-    params = {k: jax.ShapeDtypeStruct(s, dtype) for k, s in shapes.items()}
-    buffers = {k: jax.ShapeDtypeStruct(s, dtype) for k, s in layers.buffer_shapes(shapes).items()}
-    opt = step.make_optimizer(recipe, params)
-    return jax.eval_shape(lambda p, b: step.init_state(recipe, p, b, opt), params, buffers), opt
-
-
-def flat_step(net, recipe, opt, ctx, treedef):
-    """The train step on flat arguments: (*state leaves, xs, ts, key data) -> (*state leaves,
-    loss, lr)."""
-
-    def fn(*args):
-        *leaves, xs, ts, key_data = args
-        state = jax.tree.unflatten(treedef, leaves)
-        new, metrics = step.train_step(net, recipe, opt, state, xs, ts,
-                                       jax.random.wrap_key_data(key_data), ctx)
-        # the schedule runs in the canonical float (f64 under x64); report it in the loss's
-        loss = metrics["loss"]
-        return (*jax.tree.leaves(new), loss, metrics["lr"].astype(loss.dtype))
-
-    return fn
-
-
-def check_config(cfg: RenderConfig, recipe) -> int:
-    """Reject what cannot be rendered (RenderError, one line); returns the resolution."""
-    net = get_net(recipe.net)
-    res = cfg.res or recipe.train_res
-    if res <= 0 or res % net.INPUT_MULTIPLE:
-        raise RenderError(f"--res must be a positive multiple of {net.INPUT_MULTIPLE} for "
-                          f"{net.NAME}, got {res}")
-    if cfg.replicas < 1:
-        raise RenderError(f"--replicas must be >= 1, got {cfg.replicas}")
-    if cfg.control != "none" and cfg.replicas == 1:
-        raise RenderError(f"control {cfg.control!r} breaks a collective; R = 1 has none")
-    if cfg.control in GRADIENT_ONLY_CONTROLS:
-        raise RenderError(f"control {cfg.control!r} leaves each replica its own running "
-                          f"statistics, which a whole step's replicated state cannot hold")
-    if cfg.classes < 2:
-        raise RenderError(f"--classes must be >= 2, got {cfg.classes}")
-    return res
-
-
 @dataclasses.dataclass
 class Export:
     """What `export_step` made and the facts the manifest states about it."""
@@ -156,151 +147,42 @@ class Export:
     in_specs: list  # a PartitionSpec per input, as JSON lists ([] = replicated)
 
 
-def _spec(spec: P) -> list:
-    return list(spec)
-
-
 def export_step(cfg: RenderConfig, single: bool = False) -> Export:
-    """Export the recipe's step. ``single``: the single-device step at the global batch R N
-    instead (the program the R-replica step is tied to).
+    """Export the recipe's step (`program.train_program`, flat, over an abstract mesh).
+    ``single``: the single-device step at the global batch R N instead (the program the
+    R-replica step is tied to).
 
     The export runs with jax_enable_x64 on exactly for f64 renders, whatever the process has
-    set: an f32 or bf16 render is the same program from the CLI and from an x64 test."""
-    try:
-        recipe = recipes.parse(cfg.name)
-    except recipes.RecipeError as e:
-        raise RenderError(str(e)) from None
-    net = get_net(recipe.net)
-    res = check_config(cfg, recipe)
-    try:
-        step.check_recipe(net, recipe)
-    except ValueError as e:
-        raise RenderError(str(e)) from None
-    prec = get_precision(cfg.precision or ("bf16" if recipe.bf16 else "f32"))
+    set: an f32 or bf16 render is the same program from the CLI and from an x64 test. Locations
+    name ops and sync sites, never the files and lines that traced them."""
+    recipe, net = cfg.recipe, get_net(cfg.recipe.net)
+    prec = get_precision(cfg.precision)
     platform = cfg.platform or local_platform()
     depthwise = conv.default_depthwise_path(platform)
-    r = cfg.replicas
-    # locations name ops and sync sites, never the files and lines that traced them
-    limit = jax.config.jax_traceback_in_locations_limit
-    jax.config.update("jax_traceback_in_locations_limit", 0)
-    try:
-        with jax.enable_x64(prec.name == "f64"):
-            state, opt = abstract_state(net, recipe, cfg.classes, prec.dtype)
-            leaves, treedef = jax.tree.flatten(state)
-            k, rows = recipe.accum, r * recipe.batch
-            avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves] + [
-                jax.ShapeDtypeStruct((k, rows, res, res, 3), prec.dtype),
-                jax.ShapeDtypeStruct((k, rows, cfg.classes), prec.dtype),
-                jax.ShapeDtypeStruct((2,), jnp.uint32)]
-            if single or r == 1:
-                ctx = layers.Ctx(SINGLE if single else dp.replicas(1), prec,
-                                 depthwise_path=depthwise)
-                in_specs = [dp.REPLICATED] * len(avals)
-                program = dp.jit(flat_step(net, recipe, opt, ctx, treedef))
-            else:
-                mesh = dp.abstract_mesh(r)
-                ctx = layers.Ctx(dp.replicas(r, cfg.control), prec, depthwise_path=depthwise)
-                in_specs = [dp.REPLICATED] * len(leaves) + [dp.MICRO_BATCH, dp.MICRO_BATCH,
-                                                            dp.REPLICATED]
-                program = dp.replica_map(flat_step(net, recipe, opt, ctx, treedef), r,
-                                         tuple(in_specs), (dp.REPLICATED,) * (len(leaves) + 2),
-                                         on=mesh)
-                avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, sp))
-                         for a, sp in zip(avals, in_specs, strict=True)]
-            exported = jax.export.export(program, platforms=[platform])(*avals)
-    finally:
-        jax.config.update("jax_traceback_in_locations_limit", limit)
-    names = state_names(state)
+    replicas = 1 if single else cfg.replicas
+    mesh = dp.abstract_mesh(replicas) if replicas > 1 else None
+    with runtime.jax_settings(jax_enable_x64=prec.name == "f64",
+                              jax_traceback_in_locations_limit=0):
+        made = program.train_program(net, recipe, cfg.classes, replicas, prec,
+                                     "none" if single else cfg.control,
+                                     mesh=mesh, flat=True, depthwise_path=depthwise)
+        leaves = jax.tree.leaves(made.state)
+        rows = cfg.replicas * recipe.batch
+        avals = [*leaves, jax.ShapeDtypeStruct((recipe.accum, rows, cfg.res, cfg.res, 3),
+                                               prec.dtype),
+                 jax.ShapeDtypeStruct((recipe.accum, rows, cfg.classes), prec.dtype),
+                 jax.ShapeDtypeStruct((2,), jnp.uint32)]  # jax.random.key_data of a threefry key
+        if mesh is not None:
+            avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, sp))
+                     for a, sp in zip(avals, made.in_specs, strict=True)]
+        exported = jax.export.export(made.step, platforms=[platform])(*avals)
+    names = state_names(made.state)
     for n, a, b in zip(names, leaves, exported.out_avals, strict=False):
         if (a.shape, a.dtype) != (b.shape, b.dtype):  # the step must map a state onto its own type
             raise AssertionError(f"{n}: the step takes {a.dtype}{list(a.shape)} and returns "
                                  f"{b.dtype}{list(b.shape)}")
-    return Export(exported, recipe, res, prec.name, depthwise, names,
-                  [_spec(sp) for sp in in_specs])
-
-
-# ------------------------------------------------------------------------ reading the StableHLO
-
-
-_TENSOR = re.compile(r"tensor<([^>]*)>")
-_LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)$", re.M)
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-                    "collective_permute", "collective_broadcast")
-_COLLECTIVE = re.compile(r'"stablehlo\.(' + "|".join(COLLECTIVE_KINDS) + r')"\(')
-_FUNC = re.compile(r"^\s*func\.func (?:public |private )?@([\w.$-]+)\(")
-
-
-def tensor_types(signature: str) -> list[tuple[tuple[int, ...], str]]:
-    """[(shape, dtype)] of every ``tensor<...>`` in a type signature, in order."""
-    out = []
-    for t in _TENSOR.findall(signature):
-        *dims, dtype = t.split("x")
-        out.append((tuple(int(d) for d in dims), dtype))
-    return out
-
-
-def _nbytes(types) -> int:
-    """Bytes of tensors typed f32, bf16, i1, f8E4M3FN, ... (the bit width is in the name)."""
-    return sum(math.prod(s) * max(1, int(re.search(r"\d+", d).group()) // 8) for s, d in types)
-
-
-_SITE_COMPONENT = re.compile(r'(?:^|[/"])(' + "|".join(SITES) + r")/")
-
-
-def _site(loc: str, aliases: dict, depth: int = 0) -> str | None:
-    """The sync site a location names: the innermost `SITES` key among the components of its
-    name stack."""
-    text = aliases.get(loc, loc)
-    found = _SITE_COMPONENT.findall(text)
-    if found:
-        return found[-1]
-    if depth < 8:
-        for ref in re.findall(r"#loc\d*", text):
-            if ref != loc and (found := _site(ref, aliases, depth + 1)):
-                return found
-    return None
-
-
-def collectives(mlir: str) -> list[dict]:
-    """Every collective op in StableHLO text: {"kind", "site", "operands": [(shape, dtype)],
-    "bytes"} (bytes of this replica's operands). A collective with a reduction region has its
-    signature on the line that closes the region, ``}) : (operands) -> results loc(...)``."""
-    aliases = dict(_LOC_DEF.findall(mlir))
-    lines = mlir.splitlines()
-    ops = []
-    function = None
-    for i, line in enumerate(lines):
-        if (f := _FUNC.match(line)) is not None:
-            function = f.group(1)
-        m = _COLLECTIVE.search(line)
-        if not m:
-            continue
-        # a function called from several places would hold one collective for each call: the
-        # count would then be per call site, so refuse rather than miscount
-        calls = function and len(re.findall(r"call @" + re.escape(function) + r"\(", mlir))
-        if function not in (None, "main") and calls != 1:
-            raise ValueError(f"a collective in @{function}, which is called {calls} times")
-        j = i
-        if line.rstrip().endswith("({"):
-            j = next(j for j in range(i + 1, len(lines)) if lines[j].lstrip().startswith("})"))
-        sig = lines[j].rsplit(" : ", 1)[1]
-        operands, _ = sig.split(" -> ", 1)
-        loc = re.search(r"loc\((#loc\d*)\)\s*$", lines[j])
-        types = tensor_types(operands)
-        ops.append({"kind": m.group(1), "site": _site(loc.group(1), aliases) if loc else None,
-                    "operands": types, "bytes": _nbytes(types)})
-    return ops
-
-
-def convolutions(mlir: str) -> list[dict]:
-    """Every ``stablehlo.convolution``: {"operands": [(shape, dtype)] x 2, "result": (shape,
-    dtype)}."""
-    out = []
-    for line in mlir.splitlines():
-        if "stablehlo.convolution(" in line:
-            types = tensor_types(line.rsplit(" : ", 1)[1])
-            out.append({"operands": types[:2], "result": types[2]})
-    return out
+    return Export(exported, recipe, cfg.res, prec.name, depthwise, names,
+                  [list(sp) for sp in made.in_specs])
 
 
 def collective_summary(ops: list[dict], net) -> dict:
@@ -310,7 +192,7 @@ def collective_summary(ops: list[dict], net) -> dict:
         return {"count": len(group), "payload_bytes": sum(o["bytes"] for o in group),
                 "dtypes": sorted({d for o in group for _, d in o["operands"]})}
 
-    kinds = {k: summary([o for o in ops if o["kind"] == k]) for k in COLLECTIVE_KINDS
+    kinds = {k: summary([o for o in ops if o["kind"] == k]) for k in hlo.COLLECTIVE_KINDS
              if any(o["kind"] == k for o in ops)}
     sites = {s: summary([o for o in ops if o["site"] == s]) for s in SITES}
     unattributed = [o for o in ops if o["site"] is None]
@@ -342,7 +224,7 @@ def render(cfg: RenderConfig) -> Render:
     mlir = exported.mlir_module()
     serialized = bytes(exported.serialize())
     shapes = net.param_shapes(cfg.classes)
-    convs = convolutions(mlir)
+    convs = hlo.convolutions(mlir)
     manifest = {
         "name": cfg.name,  # as asked: a preset keeps its lr and schedule, its grammar name not
         "recipe": recipe.name,
@@ -365,8 +247,8 @@ def render(cfg: RenderConfig) -> Render:
         "depthwise_path": e.depthwise_path,
         "inputs": _io(names + ["xs", "ts", "key"], exported.in_avals, e.in_specs),
         "outputs": _io(names + ["loss", "lr"], exported.out_avals,
-                       [_spec(dp.REPLICATED)] * (len(names) + 2)),
-        "collectives": collective_summary(collectives(mlir), net),
+                       [[]] * (len(names) + 2)),
+        "collectives": collective_summary(hlo.collectives(mlir), net),
         "convolutions": {"count": len(convs),
                          "dtypes": sorted({d for c in convs
                                            for _, d in c["operands"] + [c["result"]]})},
@@ -443,34 +325,3 @@ def load(path: str) -> tuple[jax.export.Exported, dict]:
     if hashlib.sha256(blob).hexdigest() != digest:
         raise RenderError(f"{path}: sha256 differs from its manifest's (a different render?)")
     return jax.export.deserialize(bytearray(blob)), manifest
-
-
-def artifact_step(exported: jax.export.Exported, manifest: dict, fast_compile: bool = False,
-                  donate: bool = False):
-    """The artifact as a replica step: (state, xs, ts, key) -> (state, {"loss", "lr"}), its
-    arguments checked against the manifest's signature and placed on the first R devices as
-    the manifest shards them. fast_compile: XLA compiles the artifact as `dp.FAST_COMPILE`;
-    donate: the step may reuse the state's buffers (the caller drops the old state)."""
-    r = manifest["replicas"]
-    state_args = tuple(range(len(manifest["inputs"]) - 3))  # all but xs, ts, key
-    call = dp.jit(exported.call, fast_compile, donate=state_args if donate else ())
-    mesh = dp.mesh(r) if r > 1 else None
-    inputs = manifest["inputs"]
-
-    def run(state, xs, ts, key):
-        leaves, treedef = jax.tree.flatten(state)
-        args = [*leaves, xs, ts, jax.random.key_data(key)]
-        names = state_names(state) + ["xs", "ts", "key"]
-        want = [(n, list(np.shape(a)), str(a.dtype)) for n, a in zip(names, args, strict=True)]
-        have = [(i["name"], i["shape"], i["dtype"]) for i in inputs]
-        if want != have:
-            diff = next((w, h) for w, h in itertools.zip_longest(want, have) if w != h)
-            raise RenderError(f"the artifact's inputs differ from this step's: it takes {diff[1]}"
-                              f" where this step has {diff[0]}")
-        if mesh is not None:
-            args = [jax.device_put(a, NamedSharding(mesh, P(*i["spec"])))
-                    for a, i in zip(args, inputs, strict=True)]
-        *leaves, loss, lr = call(*args)
-        return jax.tree.unflatten(treedef, leaves), {"loss": loss, "lr": lr}
-
-    return run

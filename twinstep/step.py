@@ -38,15 +38,6 @@ class StepOut(NamedTuple):
     logits: object  # [N, K] this replica's rows
 
 
-def loss_and_cotangent(kind: str, logits, targets, divisor, alpha: float = 0.1):
-    """(mean loss, d logits) of CE (label smoothing alpha) or BCE (targets already transformed)."""
-    if kind == "ce":
-        return losses.smoothed_ce(logits, targets, alpha, divisor)
-    if kind == "bce":
-        return losses.bce(logits, targets, divisor)
-    raise ValueError(f"unknown loss {kind!r}; choose ce or bce")
-
-
 def grad_step(net, params: dict, buffers: dict, x, targets, ctx: layers.Ctx, loss: str = "ce",
               masks: dict | None = None, collective: bool = True,
               alpha: float = losses.LABEL_SMOOTHING,
@@ -58,7 +49,7 @@ def grad_step(net, params: dict, buffers: dict, x, targets, ctx: layers.Ctx, los
     rep = ctx.replicas
     logits, tape, stats = net.forward(params, buffers, x, ctx, **(masks or {}))
     n = x.shape[0] * (rep.count if rep.control == "wrong-divisor" else 1)
-    value, dlogits = loss_and_cotangent(loss, logits, targets.astype(logits.dtype),
+    value, dlogits = losses.value_and_cotangent(loss, logits, targets.astype(logits.dtype),
                                         losses.loss_divisor(loss, n, logits.shape[-1]), alpha)
     grads = net.backward(tape, dlogits)
     grads = rep.grad_mean(grads) if collective else grads
@@ -85,16 +76,6 @@ def path_parts(path) -> list[str]:
     return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
-def make_optimizer(recipe, params: dict) -> optax.GradientTransformation:
-    """The recipe's clip + optimizer, learning rate warmed up then cosine per optimizer step."""
-    schedule = optim.lr_schedule(recipe.lr, recipe.warmup_steps, recipe.total_steps)
-    # timm's Lamb clips the global norm at 1.0 by default (max_grad_norm=1.0): a LAMB recipe
-    # clips with or without the `clip` token
-    clip = recipe.clip or recipe.optimizer == "lamb"
-    return optim.make_optimizer(recipe.optimizer, schedule, recipe.effective_weight_decay,
-                                recipe.wx, clip, params)
-
-
 def init_state(recipe, params: dict, buffers: dict, opt: optax.GradientTransformation):
     return TrainState(jnp.zeros((), jnp.int32), params, buffers, opt.init(params),
                       ema.ema_init(params, buffers) if recipe.ema else None)
@@ -104,7 +85,7 @@ def check_recipe(net, recipe) -> None:
     """Reject a recipe this net cannot run (ValueError, one line)."""
     if recipe.net != net.NAME:
         raise ValueError(f"recipe {recipe.name!r} is for {recipe.net}, not {net.NAME}")
-    if recipe.dropout and "dropout" not in net.forward.__code__.co_varnames:
+    if recipe.dropout and "dropout" not in net.MASKS:
         raise ValueError(f"{net.NAME} has no classifier dropout; drop 'do' from the recipe")
 
 
@@ -183,7 +164,7 @@ def train_step(net, recipe, opt: optax.GradientTransformation, state: TrainState
         kw = {"decay": recipe.ema_decay, "warmup": recipe.ema_warmup}
         averaged = (ema.ema_update(averaged[0], params, step, **kw),
                     ema.ema_update(averaged[1], buffers, step, **kw))
-    lr = optim.lr_schedule(recipe.lr, recipe.warmup_steps, recipe.total_steps)(state.step)
+    lr = optim.recipe_schedule(recipe)(state.step)
     return TrainState(step, params, buffers, opt_state, averaged), {"loss": loss, "lr": lr}
 
 

@@ -28,16 +28,19 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twinstep import dp, step
-from twinstep.collectives import SINGLE
-from twinstep.nets import layers
+from twinstep import dp, program, step, synthetic
+from twinstep import recipe as recipes
+from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS, MASK_CONTROLS
+from twinstep.compare import grad_err, host, rel
+from twinstep.errors import UsageError
+from twinstep.nets import NETS, get_net, layers
 from twinstep.ops import loss as losses
+from twinstep.ops.precision import NAMES as PRECISIONS
 from twinstep.ops.precision import Precision, get_precision
 
 F64_PARAM_BOUND = 1e-10
@@ -52,14 +55,19 @@ STEPS = 3  # whole-step ties: the default number of optimizer steps
 PERTURBATION_F32 = 1e-6  # ~8 f32 ulps; other precisions perturb by the same number of ulps
 
 
+
+
 @dataclasses.dataclass(frozen=True)
 class TieConfig:
+    """What the tie runs; checks itself on construction (UsageError, one line, before any
+    compile). ``batch`` and ``loss`` left None take the recipe's (else 2 and ce)."""
+
     net: str = "resnet50"
     replicas: int = 4
-    batch: int = 2  # per replica
+    batch: int | None = None  # per replica
     res: int = 32
     classes: int = 10
-    loss: str = "ce"
+    loss: str | None = None
     precision: str = "f64"
     seed: int = 0
     shift: bool = True
@@ -67,36 +75,59 @@ class TieConfig:
     fast_compile: bool = False  # dp.FAST_COMPILE: same numerics, compile-dominated runs faster
     recipe: str | None = None  # whole-step ties (`run_steps_tie`): the recipe's name
 
+    def __post_init__(self):
+        if self.net not in NETS:
+            raise UsageError(f"unknown net {self.net!r}; choose from {sorted(NETS)}")
+        for field in ("replicas", "batch", "res"):
+            if getattr(self, field) is not None and getattr(self, field) < 1:
+                raise UsageError(f"--{field} must be >= 1, got {getattr(self, field)}")
+        if self.classes < 2:
+            raise UsageError(f"--classes must be >= 2, got {self.classes}")
+        multiple = get_net(self.net).INPUT_MULTIPLE
+        if self.res % multiple:
+            raise UsageError(f"--res must be a multiple of {multiple} for {self.net}, "
+                             f"got {self.res}")
+        for field, allowed in (("loss", losses.KINDS), ("precision", PRECISIONS),
+                               ("control", tuple(CONTROLS))):
+            if getattr(self, field) not in (None, *allowed):
+                raise UsageError(f"unknown --{field} {getattr(self, field)!r}; choose from "
+                                 f"{', '.join(allowed)}")
+        if self.precision == "bf16" and self.replicas & (self.replicas - 1):
+            raise UsageError("a bf16 tie needs --replicas a power of two: a replica's loss "
+                             "cotangent is R times the single device's, and bf16 rounding "
+                             "commutes with that scale only for R = 2^k")
+        recipe = self.recipe and self.parsed_recipe()
+        if recipe is None and self.control in MASK_CONTROLS:
+            raise UsageError(f"--control {self.control} needs --recipe with drop-path or "
+                             f"dropout")
+        if recipe is not None:
+            _check_steps_config(self, recipe)
+        object.__setattr__(self, "batch", self.batch or (recipe.batch if recipe else 2))
+        object.__setattr__(self, "loss", self.loss or (recipe.loss if recipe else "ce"))
 
-def host(x) -> np.ndarray:
-    """``x`` as a float64 NumPy array. A jax.Array whose first shard is the whole array (a
-    replicated state) is read through that shard: np.asarray on the array itself can keep its
-    host copy cached for the array's lifetime — a whole R-replica state twinned on the host."""
-    if isinstance(x, jax.Array) and len(x.addressable_shards) > 1:
-        first = x.addressable_shards[0].data
-        if first.shape == x.shape:
-            x = first
-    return np.asarray(x, np.float64)
+    def parsed_recipe(self) -> recipes.Recipe:
+        try:
+            return recipes.parse(self.recipe)
+        except recipes.RecipeError as e:
+            raise UsageError(str(e)) from None
 
 
-def rel(a, b) -> float:
-    a, b = host(a), host(b)
-    d = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / (d if d > 0 else 1.0))
-
-
-def grad_err(name: str, ours: dict, ref: dict) -> float:
-    """Norm-relative, except for a structural zero — a BN bias whose output reaches another BN
-    through a linear map only (MobileNetV4's dw_start BNs): its exact gradient is 0 and any two
-    computations return rounding noise, so it is compared against zero on the scale of its BN's
-    gamma gradient."""
-    a, b = ours[name], ref[name]
-    gamma = name[:-len("bias")] + "weight"
-    if name.endswith(".bias") and gamma in ref and np.ndim(ref[gamma]) == 1:
-        scale = float(np.linalg.norm(host(ref[gamma])))
-        if np.linalg.norm(host(b)) <= 1e-10 * scale:
-            return float(max(np.linalg.norm(host(a)), np.linalg.norm(host(b))) / scale)
-    return rel(a, b)
+def _check_steps_config(cfg: TieConfig, recipe) -> None:
+    """What whole-step ties of ``recipe`` cannot do (UsageError, one line)."""
+    try:
+        step.check_recipe(get_net(cfg.net), recipe)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if cfg.precision != "f64":
+        raise UsageError("whole-step ties (--recipe) run in f64; bf16's boundary is checked by "
+                         "'twinstep tie NET --precision bf16'")
+    if cfg.loss is not None and cfg.loss != recipe.loss:
+        raise UsageError(f"--loss {cfg.loss} contradicts the recipe's {recipe.loss}")
+    if cfg.control in GRADIENT_ONLY_CONTROLS:
+        raise UsageError(f"--control {cfg.control} leaves each replica its own running "
+                         f"statistics, which whole steps cannot carry; tie it without --recipe")
+    if cfg.control in MASK_CONTROLS and not (recipe.drop or recipe.dropout):
+        raise UsageError(f"--control {cfg.control} needs a recipe with drop-path or dropout")
 
 
 def tie_precision(name: str) -> Precision:
@@ -115,53 +146,23 @@ def setup(cfg: TieConfig, net):
     params, buffers = layers.randomize_bn(jax.random.fold_in(key, 1), params,
                                           layers.init_buffers(shapes, prec.dtype))
     rng = np.random.default_rng(cfg.seed)
-    n = cfg.replicas * cfg.batch
-    x = jnp.asarray(rng.standard_normal((n, cfg.res, cfg.res, 3)), prec.dtype)
-    if cfg.shift:
-        x = dp.shift_shards(x, cfg.replicas, 1.0)
-    lam = rng.uniform(0.3, 1.0, (n, 1))  # soft (mixup) targets: both cotangents are affine in t
-    a, b = (np.eye(cfg.classes)[rng.integers(0, cfg.classes, n)] for _ in range(2))
-    t = jnp.asarray(lam * a + (1 - lam) * b, prec.dtype)
+    x, t = synthetic.batch(rng, (cfg.replicas * cfg.batch,), cfg.res, cfg.classes, cfg.replicas,
+                           cfg.shift, prec.dtype)
     if cfg.loss == "bce":
         t = losses.bce_targets(t, smoothing=0.1)
     return params, buffers, x, t
 
 
 def single_program(net, cfg: TieConfig, prec: Precision):
-    return _single_program(net, cfg.loss, prec, cfg.fast_compile)
-
-
-@functools.lru_cache(maxsize=16)
-def _single_program(net, loss: str, prec: Precision, fast_compile: bool):
-    ctx = layers.Ctx(SINGLE, prec)
-    return dp.jit(lambda p, b, x, t: step.grad_step(net, p, b, x, t, ctx, loss), fast_compile)
-
-
-def _stacked(tree):
-    return jax.tree.map(lambda a: a[None], tree)
+    """The single-device gradient step at the global batch R N."""
+    return program.grad_program(net, 1, cfg.loss, prec, fast_compile=cfg.fast_compile)
 
 
 def replica_program(net, cfg: TieConfig, prec: Precision, collective: bool = True):
     """The replica step; per-replica outputs (statistics, buffers, and without the collective the
     gradients) come back stacked along a leading replica axis, to check they agree."""
-    return _replica_program(net, cfg.replicas, cfg.control, cfg.loss, prec, collective,
-                            cfg.fast_compile)
-
-
-@functools.lru_cache(maxsize=16)
-def _replica_program(net, replicas: int, control: str, loss: str, prec: Precision,
-                     collective: bool, fast_compile: bool):
-    rep = dp.replicas(replicas, control)
-    ctx = layers.Ctx(rep, prec)
-
-    def fn(p, b, x, t):
-        out = step.grad_step(net, p, b, x, t, ctx, loss, collective=collective)
-        grads = out.grads if collective else _stacked(out.grads)
-        return out._replace(grads=grads, stats=_stacked(out.stats), buffers=_stacked(out.buffers))
-
-    r, s = dp.REPLICATED, dp.BATCH
-    return dp.replica_map(fn, replicas, (r, r, s, s),
-                          step.StepOut(r, r if collective else s, s, s, s), fast_compile)
+    return program.grad_program(net, cfg.replicas, cfg.loss, prec, cfg.control, collective,
+                                per_replica=True, fast_compile=cfg.fast_compile)
 
 
 def bf16_bound(partials, single):
@@ -245,20 +246,23 @@ class TieReport:
                 "replicas_agree": self.replicas_agree}
 
 
-def run_tie(cfg: TieConfig, net=None) -> TieReport:
-    from twinstep.nets import get_net
-
+def run_tie(cfg: TieConfig, net=None, progress=None) -> TieReport:
+    """The tie of one gradient step (module docstring). ``progress(text)``: told what runs now."""
     net = net or get_net(cfg.net)
+    say = progress or (lambda text: None)
     prec = tie_precision(cfg.precision)
     params, buffers, x, t = setup(cfg, net)
     single = single_program(net, cfg, prec)
+    say(f"the single-device step at R N = {cfg.replicas * cfg.batch} (compiling, running)")
     ref = single(params, buffers, x, t)
+    say(f"the replica step, {cfg.replicas} replicas of N = {cfg.batch} (compiling, running)")
     rep = replica_program(net, cfg, prec)(params, buffers, x, t)
-
+    say("the noise floor: the single device on a nudged and on a reordered batch")
     sensitivity, stat_sens, loss_sens = noise_floor(single, params, buffers, x, t, ref, cfg.seed)
     param_floor, stat_floor = FLOORS[prec.name]
     partials = None
     if prec.name == "bf16":
+        say("the replicas' unrounded partial sums (the bf16 bound)")
         probe = dataclasses.replace(prec, round_weight_grads=False)
         partials = replica_program(net, cfg, probe, collective=False)(params, buffers, x, t).grads
 
@@ -297,53 +301,6 @@ def run_tie(cfg: TieConfig, net=None) -> TieReport:
                      {"replica": float(rep.loss), "single": float(ref.loss), "rel_err": loss_err,
                       "bound": loss_bound, "ok": loss_err <= loss_bound},
                      rel(rep.logits, ref.logits), buffers_err, agree)
-
-
-def print_report(report: TieReport, show_all: bool = False, seconds: float | None = None,
-                 console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    c = report.config
-    console.print(f"[bold]{c.net}[/]: R = {c.replicas} replicas x N = {c.batch} vs one device at "
-                  f"{c.replicas * c.batch}; {c.res}², K = {c.classes}, loss {c.loss}, "
-                  f"{c.precision}, shift {'on' if c.shift else 'off'}, control {c.control}")
-    rows = sorted(report.parameters, key=lambda p: -p["rel_err"] / max(p["bound"], 1e-300))
-    shown = report.parameters if show_all else rows[:10]
-    table = Table(title="parameter gradients: mean over replicas vs single device" +
-                  ("" if show_all else f" (worst 10 of {len(rows)}; --all for every row)"))
-    has_sens = any("sensitivity" in p for p in shown)
-    table.add_column("parameter", no_wrap=True)
-    table.add_column("shape")
-    for col in ("rel err", "max abs", "bound") + (("sensitivity",) if has_sens else ()) + ("",):
-        table.add_column(col, justify="right")
-    for p in shown:
-        sens = (f"{p['sensitivity']:.1e}" if "sensitivity" in p else "-",) if has_sens else ()
-        table.add_row(p["name"], "x".join(map(str, p["shape"])), f"{p['rel_err']:.1e}",
-                      f"{p['abs_err']:.1e}", f"{p['bound']:.1e}", *sens,
-                      "[green]ok[/]" if p["ok"] else "[red]FAIL[/]")
-    console.print(table)
-
-    sites = sorted(report.bn_sites, key=lambda b: -max(b["mean_rel_err"], b["var_rel_err"]))
-    bn = Table(title="forward half: BN sites' global statistics" +
-               ("" if show_all else f" (worst 5 of {len(sites)})"))
-    bn.add_column("BN site", no_wrap=True)
-    for col in ("mean rel err", "var rel err", "bound", ""):
-        bn.add_column(col, justify="right")
-    for b in sites if show_all else sites[:5]:
-        bn.add_row(b["name"], f"{b['mean_rel_err']:.1e}", f"{b['var_rel_err']:.1e}",
-                   f"{b['bound']:.1e}", "[green]ok[/]" if b["ok"] else "[red]FAIL[/]")
-    console.print(bn)
-    lo = report.loss
-    console.print(f"loss: replicas {lo['replica']:.12g}, single {lo['single']:.12g} "
-                  f"(rel err {lo['rel_err']:.1e}); logits rel err {report.logits_rel_err:.1e}; "
-                  f"running statistics rel err {report.buffers_rel_err:.1e}; replicas "
-                  f"{'agree' if report.replicas_agree else '[red]DISAGREE[/]'} on statistics "
-                  f"and buffers")
-    took = f" ({seconds:.0f} s)" if seconds is not None else ""
-    colour = "green" if report.ok else "red"
-    console.print(f"[{colour}]{report.verdict()}[/]{took}")
 
 
 # ------------------------------------------------------------------ the tie over whole steps
@@ -409,6 +366,7 @@ def compare_states(ours, ref, moved: tuple, floor: float) -> list:
 class StepsReport:
     config: TieConfig
     steps: list  # per step: {"step", "rows": [...], "loss": {...}}
+    artifact: str | None = None  # the render tied (NAME.jaxexport), if not the Python step
 
     @property
     def ok(self) -> bool:
@@ -429,47 +387,42 @@ class StepsReport:
         return text
 
     def to_json(self) -> dict:
-        return {"verdict": self.verdict(), "ok": self.ok, "config": dataclasses.asdict(self.config),
-                "steps": self.steps}
+        out = {"verdict": self.verdict(), "ok": self.ok,
+               "config": dataclasses.asdict(self.config), "steps": self.steps}
+        return out | ({"artifact": self.artifact} if self.artifact else {})
 
 
-def train_programs(net, recipe, cfg: TieConfig, prec: Precision, opt):
-    """(single-device, replica) jitted `step.train_step` of the recipe; each donates the state
-    it steps."""
-    single_ctx = layers.Ctx(SINGLE, prec)
-    rep_ctx = layers.Ctx(dp.replicas(cfg.replicas, cfg.control), prec)
-
-    def single(state, xs, ts, key, row_order):
-        return step.train_step(net, recipe, opt, state, xs, ts, key, single_ctx, row_order)
-
-    def replica(state, xs, ts, key):
-        return step.train_step(net, recipe, opt, state, xs, ts, key, rep_ctx)
-
-    r, s = dp.REPLICATED, dp.MICRO_BATCH
-    return (dp.jit(single, cfg.fast_compile, donate=(0,)),
-            dp.replica_map(replica, cfg.replicas, (r, s, s, r), (r, r), cfg.fast_compile,
-                           donate=(0,)))
+def train_programs(net, recipe, cfg: TieConfig, prec: Precision) -> tuple:
+    """(single-device at R N, R-replica) `program.TrainProgram`s of the recipe; each step
+    donates the state it steps."""
+    kw = {"classes": cfg.classes, "precision": prec, "donate": True,
+          "fast_compile": cfg.fast_compile}
+    return (program.train_program(net, recipe, replicas=1, **kw),
+            program.train_program(net, recipe, replicas=cfg.replicas, control=cfg.control, **kw))
 
 
-def run_steps_tie(cfg: TieConfig, recipe, steps: int, net=None, replica=None) -> StepsReport:
-    """S whole training steps of ``recipe`` (k micro-steps each) on R replicas of N and on one
-    device at R N, from the same state and the same global batches and keys; every state tensor
-    compared after every step (f64: max(1e-10, 10 x SENSITIVITY) norm-relative per tensor, see
-    `compare_states`). ``replica``: the R-replica step to tie, (state, xs [k, R N, ...], ts, key)
-    -> (state, metrics) — by default the Python step; `twinstep.render.artifact_step` ties a
-    render's deserialized artifact instead. Every program may donate the state it steps: the
-    four trajectories start from copies."""
-    from twinstep.nets import get_net
-
+def run_steps_tie(cfg: TieConfig, recipe=None, steps: int = STEPS, net=None, replica=None,
+                  progress=None) -> StepsReport:
+    """S whole training steps of ``recipe`` (default: cfg.recipe's; k micro-steps each) on R
+    replicas of N and on one device at R N, from the same state and the same global batches and
+    keys; every state tensor compared after every step (f64: max(1e-10, 10 x SENSITIVITY)
+    norm-relative per tensor, see `compare_states`). ``replica``: the R-replica step to tie,
+    (state, xs [k, R N, ...], ts, key) -> (state, metrics) — by default the Python step;
+    `twinstep.program.artifact_program` ties a render's deserialized artifact instead. Every
+    program may donate the state it steps: the four trajectories start from copies.
+    ``progress(text)``: told what runs now."""
     net = net or get_net(cfg.net)
+    recipe = recipe or cfg.parsed_recipe()
     if cfg.precision != "f64":
-        raise ValueError("whole-step ties run in f64 (bf16's boundary: tie --precision bf16)")
+        raise UsageError("whole-step ties run in f64 (bf16's boundary: tie --precision bf16)")
+    if steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {steps}")
+    say = progress or (lambda text: None)
     prec = tie_precision(cfg.precision)
     params, buffers, _, _ = setup(cfg, net)
-    opt = step.make_optimizer(recipe, params)
-    state = step.init_state(recipe, params, buffers, opt)
-    single, python_replica = train_programs(net, recipe, cfg, prec, opt)
-    replica = replica or python_replica
+    single, python_replica = train_programs(net, recipe, cfg, prec)
+    state = single.init(params, buffers)
+    replica = replica or python_replica.step
     rng = np.random.default_rng(cfg.seed + 1)
     n, k = cfg.replicas * cfg.batch, recipe.accum
     ref, (nudged, reordered, ours) = state, jax.device_put((state,) * 3, may_alias=False)
@@ -478,58 +431,37 @@ def run_steps_tie(cfg: TieConfig, recipe, steps: int, net=None, replica=None) ->
     order, reverse = np.arange(n), np.arange(n)[::-1]
     report = StepsReport(cfg, [])
     for s in range(steps):
-        xs = rng.standard_normal((k, n, cfg.res, cfg.res, 3))
-        if cfg.shift:
-            xs = np.stack([dp.shift_shards(x, cfg.replicas, 1.0) for x in xs])
-        lam = rng.uniform(0.3, 1.0, (k, n, 1))
-        a, b = (np.eye(cfg.classes)[rng.integers(0, cfg.classes, (k, n))] for _ in range(2))
-        xs, ts = jnp.asarray(xs, prec.dtype), jnp.asarray(lam * a + (1 - lam) * b, prec.dtype)
+        xs, ts = synthetic.batch(rng, (k, n), cfg.res, cfg.classes, cfg.replicas, cfg.shift,
+                                 prec.dtype)
         key = jax.random.fold_in(jax.random.key(cfg.seed), s)
         u = jax.random.normal(jax.random.fold_in(key, 1), xs.shape, xs.dtype)
-        ref, ref_m = single(ref, xs, ts, key, order)
+        say(f"step {s + 1}/{steps}: the single device at R N = {n}"
+            + (" (compiling)" if s == 0 else ""))
+        ref, ref_m = single.step(ref, xs, ts, key, order)
         # the noise floor: the single device's own trajectory under a rounding-sized input nudge
         # and with every batch reversed (its masks reordered alike) — the same mathematics
-        nudged, nudged_m = single(nudged, xs * (1 + perturbation(xs.dtype) * u), ts, key, order)
-        reordered, reordered_m = single(reordered, xs[:, ::-1], ts[:, ::-1], key, reverse)
+        say(f"step {s + 1}/{steps}: the noise floor (nudged and reordered single-device runs)")
+        nudged, nudged_m = single.step(nudged, xs * (1 + perturbation(xs.dtype) * u), ts, key,
+                                       order)
+        reordered, reordered_m = single.step(reordered, xs[:, ::-1], ts[:, ::-1], key, reverse)
+        say(f"step {s + 1}/{steps}: {cfg.replicas} replicas of N = {cfg.batch}"
+            + (" (compiling)" if s == 0 else ""))
         ours, our_m = replica(ours, xs, ts, key)
-
-        def loss_rel(m, ref_m=ref_m):
-            return abs(float(m["loss"]) - float(ref_m["loss"])) / abs(float(ref_m["loss"]))
-
-        loss_bound = max(F64_STAT_BOUND, SENSITIVITY_FACTOR * max(loss_rel(nudged_m),
-                                                                  loss_rel(reordered_m)))
-        report.steps.append({
-            "step": s + 1, "rows": compare_states(ours, ref, (nudged, reordered),
-                                                  F64_PARAM_BOUND),
-            "loss": {"replica": float(our_m["loss"]), "single": float(ref_m["loss"]),
-                     "rel_err": loss_rel(our_m), "bound": loss_bound,
-                     "ok": loss_rel(our_m) <= loss_bound}})
+        say(f"step {s + 1}/{steps}: comparing every state tensor")
+        report.steps.append({"step": s + 1,
+                             "rows": compare_states(ours, ref, (nudged, reordered),
+                                                    F64_PARAM_BOUND),
+                             "loss": _loss_row(our_m, ref_m, (nudged_m, reordered_m),
+                                               F64_STAT_BOUND)})
     return report
 
 
-def print_steps_report(report: StepsReport, show_all: bool = False, seconds=None, console=None):
-    from rich.console import Console
-    from rich.table import Table
+def _loss_row(ours: dict, ref: dict, moved: tuple, floor: float) -> dict:
+    """The step's reported loss against the single device's, bound max(floor, 10 x what the
+    single device's own ``moved`` trajectories move it by)."""
+    def loss_rel(m):
+        return abs(float(m["loss"]) - float(ref["loss"])) / abs(float(ref["loss"]))
 
-    console = console or Console()
-    c = report.config
-    console.print(f"[bold]{c.net}[/] recipe {c.recipe}: R = {c.replicas} x N = {c.batch} vs one "
-                  f"device at {c.replicas * c.batch}; {c.res}², K = {c.classes}, {c.precision}, "
-                  f"control {c.control}")
-    for s in report.steps:
-        rows = sorted(s["rows"], key=lambda r: -r["rel_err"])
-        table = Table(title=f"after step {s['step']}: state tensors" +
-                      ("" if show_all else f" (worst 5 of {len(rows)})"))
-        for col, j in (("tensor", "left"), ("shape", "left"), ("rel err", "right"),
-                       ("bound", "right"), ("sensitivity", "right"), ("", "right")):
-            table.add_column(col, justify=j, no_wrap=col == "tensor")
-        for r in rows if show_all else rows[:5]:
-            table.add_row(r["name"], "x".join(map(str, r["shape"])), f"{r['rel_err']:.1e}",
-                          f"{r['bound']:.1e}", f"{r['sensitivity']:.1e}",
-                          "[green]ok[/]" if r["ok"] else "[red]FAIL[/]")
-        console.print(table)
-        lo = s["loss"]
-        console.print(f"loss: replicas {lo['replica']:.12g}, single {lo['single']:.12g} "
-                      f"(rel err {lo['rel_err']:.1e})")
-    took = f" ({seconds:.0f} s)" if seconds is not None else ""
-    console.print(f"[{'green' if report.ok else 'red'}]{report.verdict()}[/]{took}")
+    bound = max(floor, SENSITIVITY_FACTOR * max(map(loss_rel, moved)))
+    return {"replica": float(ours["loss"]), "single": float(ref["loss"]),
+            "rel_err": loss_rel(ours), "bound": bound, "ok": loss_rel(ours) <= bound}

@@ -23,6 +23,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+NAMES = ("f64", "f32", "bf16")
+
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
@@ -35,7 +37,7 @@ class Precision:
     base: str | None = None
 
     def __post_init__(self):
-        if self.name not in ("f64", "f32", "bf16"):
+        if self.name not in NAMES:
             raise ValueError(f"unknown precision {self.name!r}; choose f64, f32 or bf16")
         if self.base not in (None, "f32", "f64") or (self.name != "bf16"
                                                      and self.base not in (None, self.name)):

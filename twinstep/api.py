@@ -1,0 +1,168 @@
+"""twinstep's Python API, what ``import twinstep`` offers (the CLI runs the same functions).
+
+Each function sets JAX up as it needs: the virtual CPU devices for R replicas (possible only
+before JAX's first operation — otherwise a one-line UsageError says what to do), and float64
+for the exact checks, switched on for the call and restored after it. Configurations are
+checked before anything compiles; bad ones raise `twinstep.UsageError` with one line.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import NamedTuple
+
+from twinstep.errors import UsageError
+
+
+def get_net(name: str):
+    """The network ``name`` ("resnet50", "mnv4"): a module implementing `twinstep.nets.Net`."""
+    from twinstep import nets
+
+    try:
+        return nets.get_net(name)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def parse_recipe(name: str):
+    """The `twinstep.recipe.Recipe` a recipe name or preset stands for."""
+    from twinstep import recipe as recipes
+
+    try:
+        return recipes.parse(name)
+    except recipes.RecipeError as e:
+        raise UsageError(str(e)) from None
+
+
+recipe = parse_recipe  # twinstep.recipe(name)
+
+
+def devices(replicas: int) -> None:
+    """Make sure JAX has ``replicas`` devices: on CPU, ask for that many virtual devices, which
+    is possible only before JAX's first operation."""
+    import jax
+
+    from twinstep import dp
+
+    dp.ensure_devices(replicas)
+    have = len(jax.devices())
+    if have < replicas:
+        raise UsageError(
+            f"{replicas} replicas need {replicas} devices and JAX has {have}: call twinstep "
+            f"before any other JAX operation, or set JAX_NUM_CPU_DEVICES={replicas}")
+
+
+def _x64(precision: str):
+    """float64 for the call when the check is exact (f64, and bf16's f64 around bf16 convs)."""
+    from twinstep import runtime
+
+    return runtime.jax_settings(jax_enable_x64=precision in ("f64", "bf16"))
+
+
+def tie(net: str = "resnet50", progress=None, **config):
+    """Tie one gradient step: R replicas of N against one device at R N, every parameter
+    gradient, BN statistic, the loss and the running statistics. ``config``: the fields of
+    `twinstep.tie.TieConfig` (replicas, batch, res, classes, loss, precision, seed, shift,
+    control, fast_compile). Returns a `twinstep.tie.TieReport` (``.ok``, ``.verdict()``,
+    ``.to_json()``); ``progress(text)`` is told what runs now."""
+    from twinstep import tie as ties
+
+    cfg = ties.TieConfig(net=net, **config)
+    if cfg.recipe:
+        raise UsageError("a recipe ties whole steps: call twinstep.tie_steps")
+    devices(cfg.replicas)
+    with _x64(cfg.precision):
+        return ties.run_tie(cfg, progress=progress)
+
+
+def tie_steps(recipe: str, steps: int | None = None, progress=None, **config):
+    """Tie ``steps`` (default 3) whole training steps of ``recipe`` (a name or preset) in
+    float64: every parameter, optimizer-state, EMA and running-statistics tensor after every
+    step. ``config``: TieConfig's fields (the net, batch and loss come from the recipe).
+    Returns a `twinstep.tie.StepsReport`."""
+    from twinstep import tie as ties
+
+    net = config.pop("net", None) or parse_recipe(recipe).net
+    cfg = ties.TieConfig(net=net, recipe=recipe, **config)
+    devices(cfg.replicas)
+    with _x64(cfg.precision):
+        return ties.run_steps_tie(cfg, steps=steps or ties.STEPS, progress=progress)
+
+
+class Artifact(NamedTuple):
+    """A render read back: the deserialized jax.export.Exported and its manifest (a dict)."""
+
+    exported: object
+    manifest: dict
+    path: str
+
+    def step(self, fast_compile: bool = False, donate: bool = False):
+        """The artifact as a train step (state, xs, ts, key) -> (state, {"loss", "lr"}), on the
+        manifest's R devices."""
+        from twinstep import program
+
+        devices(self.manifest["replicas"])
+        return program.artifact_program(self.exported, self.manifest, fast_compile, donate)
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest (NAME.json) of the artifact NAME.jaxexport, unchecked."""
+    if not path.endswith(".jaxexport"):
+        raise UsageError(f"{path}: an artifact is a NAME.jaxexport file from 'twinstep render'")
+    try:
+        with open(path[:-len(".jaxexport")] + ".json") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read the artifact's manifest: {e}") from None
+
+
+def load_artifact(path: str) -> Artifact:
+    """NAME.jaxexport and the NAME.json beside it, checked against each other (sha256)."""
+    from twinstep import render as renders
+
+    devices(read_manifest(path).get("replicas", 1))  # before JAX starts: its R devices
+    exported, manifest = renders.load(path)
+    return Artifact(exported, manifest, path)
+
+
+def tie_artifact(path: str, steps: int | None = None, seed: int = 0, shift: bool = True,
+                 fast_compile: bool = False, progress=None):
+    """Tie a render's deserialized step (an f64 render, for this platform) against the
+    single-device Python step over ``steps`` whole steps; net, R, N, resolution, classes and
+    recipe come from its manifest. Returns a `twinstep.tie.StepsReport`."""
+    from twinstep import render as renders
+    from twinstep import tie as ties
+
+    art = load_artifact(path)
+    m = art.manifest
+    if m["precision"] != "f64":
+        raise UsageError(f"{path} is a {m['precision']} render; the tie is exact in f64: render "
+                         f"it again with --precision f64 (the same program in f64)")
+    if m["platform"] != renders.local_platform():
+        raise UsageError(f"{path} was rendered for {m['platform']}; this process runs "
+                         f"{renders.local_platform()}")
+    cfg = ties.TieConfig(m["net"], m["replicas"], m["batch"], m["res"], m["classes"],
+                         parse_recipe(m["name"]).loss, "f64", seed, shift, "none", fast_compile,
+                         m["name"])
+    with _x64("f64"):
+        report = ties.run_steps_tie(cfg, steps=steps or ties.STEPS, progress=progress,
+                                    replica=art.step(fast_compile, donate=True))
+    report.artifact = path
+    return report
+
+
+def render(name: str, replicas: int = 1, out: str | None = None, **config):
+    """Export recipe ``name``'s whole train step for an R-device mesh (no R devices needed).
+    ``config``: the fields of `twinstep.render.RenderConfig` (res, classes, precision,
+    platform, control). With ``out`` the three files are written there. Returns a
+    `twinstep.render.Render` (``.exported``, ``.mlir``, ``.manifest``)."""
+    from twinstep import render as renders
+
+    made = renders.render(renders.RenderConfig(name, replicas, **config))
+    if out is not None:
+        try:
+            renders.write(made, out)
+        except OSError as e:
+            raise UsageError(f"cannot write into {out}: {e}") from None
+    return made
+

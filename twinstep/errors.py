@@ -1,0 +1,7 @@
+"""The one error type for bad usage or input: the CLI turns it into one line on stderr and exit
+status 2, the Python API raises it as is. Everything else that goes wrong is an internal or
+environment error (exit 3)."""
+
+
+class UsageError(ValueError):
+    """A request that cannot be done as asked: bad name, option, file or combination."""

@@ -1,0 +1,100 @@
+"""Reading StableHLO text: tensor types, the collectives by sync site, the convolutions and the
+multiply-accumulates. The renders' manifests and `twinstep info` are written from these."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from twinstep.collectives import SITES
+
+_TENSOR = re.compile(r"tensor<([^>]*)>")
+_LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)$", re.M)
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                    "collective_permute", "collective_broadcast")
+_COLLECTIVE = re.compile(r'"stablehlo\.(' + "|".join(COLLECTIVE_KINDS) + r')"\(')
+_FUNC = re.compile(r"^\s*func\.func (?:public |private )?@([\w.$-]+)\(")
+
+
+def tensor_types(signature: str) -> list[tuple[tuple[int, ...], str]]:
+    """[(shape, dtype)] of every ``tensor<...>`` in a type signature, in order."""
+    out = []
+    for t in _TENSOR.findall(signature):
+        *dims, dtype = t.split("x")
+        out.append((tuple(int(d) for d in dims), dtype))
+    return out
+
+
+def _nbytes(types) -> int:
+    """Bytes of tensors typed f32, bf16, i1, f8E4M3FN, ... (the bit width is in the name)."""
+    return sum(math.prod(s) * max(1, int(re.search(r"\d+", d).group()) // 8) for s, d in types)
+
+
+_SITE_COMPONENT = re.compile(r'(?:^|[/"])(' + "|".join(SITES) + r")/")
+
+
+def _site(loc: str, aliases: dict, depth: int = 0) -> str | None:
+    """The sync site a location names: the innermost `SITES` key among the components of its
+    name stack."""
+    text = aliases.get(loc, loc)
+    found = _SITE_COMPONENT.findall(text)
+    if found:
+        return found[-1]
+    if depth < 8:
+        for ref in re.findall(r"#loc\d*", text):
+            if ref != loc and (found := _site(ref, aliases, depth + 1)):
+                return found
+    return None
+
+
+def collectives(mlir: str) -> list[dict]:
+    """Every collective op in StableHLO text: {"kind", "site", "operands": [(shape, dtype)],
+    "bytes"} (bytes of this replica's operands). A collective with a reduction region has its
+    signature on the line that closes the region, ``}) : (operands) -> results loc(...)``."""
+    aliases = dict(_LOC_DEF.findall(mlir))
+    lines = mlir.splitlines()
+    ops = []
+    function = None
+    for i, line in enumerate(lines):
+        if (f := _FUNC.match(line)) is not None:
+            function = f.group(1)
+        m = _COLLECTIVE.search(line)
+        if not m:
+            continue
+        # a function called from several places would hold one collective for each call: the
+        # count would then be per call site, so refuse rather than miscount
+        calls = function and len(re.findall(r"call @" + re.escape(function) + r"\(", mlir))
+        if function not in (None, "main") and calls != 1:
+            raise ValueError(f"a collective in @{function}, which is called {calls} times")
+        j = i
+        if line.rstrip().endswith("({"):
+            j = next(j for j in range(i + 1, len(lines)) if lines[j].lstrip().startswith("})"))
+        sig = lines[j].rsplit(" : ", 1)[1]
+        operands, _ = sig.split(" -> ", 1)
+        loc = re.search(r"loc\((#loc\d*)\)\s*$", lines[j])
+        types = tensor_types(operands)
+        ops.append({"kind": m.group(1), "site": _site(loc.group(1), aliases) if loc else None,
+                    "operands": types, "bytes": _nbytes(types)})
+    return ops
+
+
+def _typed_ops(mlir: str, op: str):
+    """The operand and result types, [(shape, dtype)], of every ``stablehlo.<op>`` line."""
+    for line in mlir.splitlines():
+        if f"stablehlo.{op}" in line:
+            yield tensor_types(line.rsplit(" : ", 1)[1])
+
+
+def convolutions(mlir: str) -> list[dict]:
+    """Every ``stablehlo.convolution``: {"operands": [(shape, dtype)] x 2, "result": (shape,
+    dtype)}."""
+    return [{"operands": t[:2], "result": t[2]} for t in _typed_ops(mlir, "convolution(")]
+
+
+def macs(mlir: str) -> int:
+    """Multiply-accumulates of the convolutions (OIHW kernels: |output| x I x kh x kw) and the
+    dot products (|output| x contracted width)."""
+    total = sum(math.prod(c["result"][0]) * math.prod(c["operands"][1][0][1:])
+                for c in convolutions(mlir))
+    return total + sum(math.prod(out[0]) * lhs[0][-1]
+                       for lhs, _, out in _typed_ops(mlir, "dot_general"))

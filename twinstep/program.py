@@ -1,0 +1,172 @@
+"""The program factory: every step program twinstep compiles or exports is built here, and only
+here are a step's mesh and ``shard_map`` specs chosen.
+
+  grad_program   (params, buffers, x [R N, S, S, 3], t [R N, K]) -> step.StepOut
+                 forward, loss, backward and the gradient collective (`step.grad_step`)
+  train_program  TrainProgram: init(params, buffers) -> TrainState, and
+                 step(state, xs [k, R N, S, S, 3], ts [k, R N, K], key) -> (state, metrics)
+                 a recipe's whole step (`step.train_step`)
+  artifact_program   a render's deserialized step, callable like train_program's step
+
+At R = 1 a program is jit of the single-device function: `Replicas` emits no collective, so
+there is nothing to map. At R > 1 it is jit(shard_map) over the 1-D replica mesh: ``mesh=None``
+the first R devices (a runnable program), ``dp.abstract_mesh(R)`` no devices at all (the program
+`twinstep.render` exports) — the same code either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from twinstep import dp, optim, step
+from twinstep.collectives import SINGLE
+from twinstep.errors import UsageError
+from twinstep.nets import Net, layers
+from twinstep.ops.precision import Precision, get_precision
+
+
+def context(replicas: int, precision: str | Precision, control: str = "none",
+            depthwise_path: str | None = None) -> layers.Ctx:
+    """What a step's ops run in: the single device at R = 1, else R replicas on `dp.AXIS`."""
+    rep = SINGLE if replicas == 1 and control == "none" else dp.replicas(replicas, control)
+    return layers.Ctx(rep, get_precision(precision), depthwise_path=depthwise_path)
+
+
+def _stacked(tree):
+    return jax.tree.map(lambda a: a[None], tree)
+
+
+@functools.lru_cache(maxsize=16)
+def grad_program(net: Net, replicas: int = 1, loss: str = "ce",
+                 precision: str | Precision = "f32", control: str = "none",
+                 collective: bool = True, per_replica: bool = False, fast_compile: bool = False,
+                 depthwise_path: str | None = None):
+    """The gradient step (params, buffers, x, t) -> step.StepOut on R replicas (x, t sharded by
+    rows, everything else replicated). ``per_replica``: what each replica holds for itself —
+    BN statistics, running buffers, and without the ``collective`` its own gradients — comes
+    back stacked along a leading replica axis [R, ...], to check that the replicas agree.
+    Cached: the tie and the tests ask for the same programs again."""
+    ctx = context(replicas, precision, control, depthwise_path)
+
+    def fn(p, b, x, t):
+        out = step.grad_step(net, p, b, x, t, ctx, loss, collective=collective)
+        if not per_replica:
+            return out
+        grads = out.grads if collective else _stacked(out.grads)
+        return out._replace(grads=grads, stats=_stacked(out.stats),
+                            buffers=_stacked(out.buffers))
+
+    r, s = dp.REPLICATED, dp.BATCH
+    own = s if per_replica else r  # stacked per-replica outputs are sharded along [R, ...]
+    out_specs = step.StepOut(r, r if collective else s, own, own, s)
+    return dp.replica_map(fn, replicas, (r, r, s, s), out_specs, fast_compile)
+
+
+def eval_program(net: Net, precision: str | Precision = "f32", fast_compile: bool = False,
+                 depthwise_path: str | None = None):
+    """Eval-mode logits (params, buffers, x [N, S, S, 3]) -> [N, K] on one device."""
+    ctx = layers.Ctx(SINGLE, get_precision(precision), train=False, depthwise_path=depthwise_path)
+    return dp.jit(lambda p, b, x: net.forward(p, b, x, ctx)[0], fast_compile)
+
+
+class TrainProgram(NamedTuple):
+    opt: optax.GradientTransformation  # the recipe's clip + optimizer + schedule
+    init: object  # (params, buffers) -> TrainState
+    step: object  # the jitted step (see `train_program`)
+    state: step.TrainState  # the state's ShapeDtypeStructs
+    in_specs: tuple  # a PartitionSpec per argument of ``step`` (flat: per leaf)
+
+
+def abstract_params(net: Net, classes: int, dtype) -> tuple[dict, dict]:
+    """(params, buffers) as ShapeDtypeStructs at ``classes`` classes."""
+    shapes = net.param_shapes(classes)
+    return ({k: jax.ShapeDtypeStruct(s, dtype) for k, s in shapes.items()},
+            {k: jax.ShapeDtypeStruct(s, dtype) for k, s in layers.buffer_shapes(shapes).items()})
+
+
+def train_program(net: Net, recipe, classes: int, replicas: int = 1,
+                  precision: str | Precision = "f32", control: str = "none", mesh=None,
+                  flat: bool = False, donate: bool = False, fast_compile: bool = False,
+                  depthwise_path: str | None = None) -> TrainProgram:
+    """The recipe's whole train step on R replicas.
+
+    step(state, xs, ts, key) -> (state, {"loss", "lr"}); xs, ts sharded along their R N rows,
+    the state and the key replicated. At R = 1 step also takes ``row_order`` [N] (the tie's
+    reordered single-device batch, see `step.accumulate`). ``flat``: the signature jax.export
+    needs with no pytree registrations — (*state leaves, xs, ts, key data uint32[2]) ->
+    (*state leaves, loss, lr). ``donate``: the step may reuse the state's buffers (the caller
+    drops the old state). ``mesh``: see the module docstring."""
+    prec = get_precision(precision)
+    params, buffers = abstract_params(net, classes, prec.dtype)
+    opt = optim.for_recipe(recipe, params)
+
+    def init(p, b):
+        return step.init_state(recipe, p, b, opt)
+
+    state = jax.eval_shape(init, params, buffers)
+    ctx = context(replicas, prec, control, depthwise_path)
+
+    def train(st, xs, ts, key, row_order=None):
+        return step.train_step(net, recipe, opt, st, xs, ts, key, ctx, row_order)
+
+    r, s = dp.REPLICATED, dp.MICRO_BATCH
+    if flat:
+        treedef = jax.tree.structure(state)
+        n = treedef.num_leaves
+
+        def fn(*args):
+            *leaves, xs, ts, key_data = args
+            new, metrics = train(jax.tree.unflatten(treedef, leaves), xs, ts,
+                                 jax.random.wrap_key_data(key_data))
+            # the schedule runs in the canonical float (f64 under x64); report it in the loss's
+            loss = metrics["loss"]
+            return (*jax.tree.leaves(new), loss, metrics["lr"].astype(loss.dtype))
+
+        in_specs, out_specs, donated = (r,) * n + (s, s, r), (r,) * (n + 2), tuple(range(n))
+    else:
+        fn, in_specs, out_specs, donated = train, (r, s, s, r), (r, r), (0,)
+    if replicas == 1:  # one device: nothing is sharded
+        in_specs = (r,) * len(in_specs)
+    program = dp.replica_map(fn, replicas, in_specs, out_specs, fast_compile, on=mesh,
+                             donate=donated if donate else ())
+    return TrainProgram(opt, init, program, state, in_specs)
+
+
+def artifact_program(exported: jax.export.Exported, manifest: dict, fast_compile: bool = False,
+                     donate: bool = False):
+    """A render's deserialized step as train_program's step: (state, xs, ts, key) -> (state,
+    {"loss", "lr"}), its arguments checked against the manifest's signature (UsageError, one
+    line) and placed on the first R devices as the manifest shards them."""
+    from twinstep.render import state_names
+
+    r = manifest["replicas"]
+    inputs = manifest["inputs"]
+    state_args = tuple(range(len(inputs) - 3))  # all but xs, ts, key
+    call = dp.jit(exported.call, fast_compile, donate=state_args if donate else ())
+    mesh = dp.mesh(r) if r > 1 else None
+
+    def run(state, xs, ts, key):
+        leaves, treedef = jax.tree.flatten(state)
+        args = [*leaves, xs, ts, jax.random.key_data(key)]
+        names = state_names(state) + ["xs", "ts", "key"]
+        want = [(n, list(np.shape(a)), str(a.dtype)) for n, a in zip(names, args, strict=True)]
+        have = [(i["name"], i["shape"], i["dtype"]) for i in inputs]
+        if want != have:
+            diff = next((w, h) for w, h in itertools.zip_longest(want, have) if w != h)
+            raise UsageError(f"the artifact's inputs differ from this step's: it takes {diff[1]}"
+                             f" where this step has {diff[0]}")
+        if mesh is not None:
+            args = [jax.device_put(a, NamedSharding(mesh, P(*i["spec"])))
+                    for a, i in zip(args, inputs, strict=True)]
+        *leaves, loss, lr = call(*args)
+        return jax.tree.unflatten(treedef, leaves), {"loss": loss, "lr": lr}
+
+    return run
