@@ -1,7 +1,7 @@
 """On a GPU machine: do bf16 renders still have bf16 convolutions after XLA optimizes them?
 
-XLA:CPU upcasts bf16 convolutions to f32 when it compiles (SPEC §8), so the test suite checks
-the bf16 policy in the StableHLO only (tests/test_render.py). This script renders each net's
+XLA:CPU upcasts bf16 convolutions to f32 when it compiles (docs/platform.md), so the test suite
+checks the bf16 policy in the StableHLO only (tests/test_render.py). This script renders each net's
 bf16 step for the local GPU (one device, k = 1, N = 8 at 64²), compiles it, and reads the
 OPTIMIZED HLO: every convolution XLA kept as a convolution (cuDNN custom-calls, or plain
 ``convolution`` ops) must take bf16 operands and give a bf16 result, and the convolutions plus
@@ -25,7 +25,7 @@ import sys
 
 import jax
 
-from twinstep import render
+from twinstep import hlo, renders
 
 NAMES = {"resnet50": "resnet50in_adamdp8bf16", "mnv4": "mnv4in_adamdp8bf16"}
 _DTYPE = r"(bf16|f16|f32|f64)\[[\d,]*\]"
@@ -54,24 +54,24 @@ def main(argv=None) -> int:
     p.add_argument("--nets", nargs="+", default=list(NAMES), choices=list(NAMES))
     p.add_argument("--hlo-dir", help="also write each optimized HLO module there")
     args = p.parse_args(argv)
-    if render.local_platform() not in ("cuda", "rocm"):
+    if renders.local_platform() not in ("cuda", "rocm"):
         print(f"no GPU: JAX runs on {jax.default_backend()}", file=sys.stderr)
         return 2
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
     ok = True
     for net in args.nets:
-        cfg = render.RenderConfig(NAMES[net], 1, res=64, classes=1000, precision="bf16")
-        exported = render.export_step(cfg).exported
-        expected = len(render.convolutions(exported.mlir_module()))
+        cfg = renders.RenderConfig(NAMES[net], 1, res=64, classes=1000, precision="bf16")
+        exported = renders.export_step(cfg).exported
+        expected = len(hlo.convolutions(exported.mlir_module()))
         compiled = jax.jit(exported.call).lower(*exported.in_avals).compile()
-        hlo = compiled.as_text()
+        optimized = compiled.as_text()
         if args.hlo_dir:
             with open(f"{args.hlo_dir}/{NAMES[net]}.optimized.hlo", "w") as f:
-                f.write(hlo)
+                f.write(optimized)
         counts = collections.Counter()
         accounted = 0
-        for kind, operands, result in conv_like(hlo):
+        for kind, operands, result in conv_like(optimized):
             counts[(kind, "/".join(operands), "/".join(result))] += 1
             bf16 = set(operands) == {"bf16"} and result[:1] == ("bf16",)
             accounted += bf16

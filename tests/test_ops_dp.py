@@ -1,5 +1,5 @@
-"""SPEC §1's four data-parallel facts, per op kind, under jax.shard_map on R = 1..4 virtual CPU
-devices with deliberately shifted shards — and the negative controls that must break them."""
+"""The four data-parallel facts (docs/tie.md), per op kind, under jax.shard_map on R = 1..4 virtual
+CPU devices with deliberately shifted shards — and the negative controls that must break them."""
 
 import pytest
 

@@ -1,6 +1,6 @@
-"""The bf16 policy (SPEC §5), read off the StableHLO: every convolution — forward, input-VJP,
-weight-VJP, dense and grouped depthwise — has bf16 operands AND a bf16-typed result; f32 and
-f64 policies have no bf16 at all. (XLA:CPU upcasts bf16 convolutions when it compiles, so the
+"""The bf16 policy (docs/precision.md), read off the StableHLO: every convolution — forward,
+input-VJP, weight-VJP, dense and grouped depthwise — has bf16 operands AND a bf16-typed result; f32
+and f64 policies have no bf16 at all. (XLA:CPU upcasts bf16 convolutions when it compiles, so the
 compiled CPU HLO cannot show the policy; the StableHLO is where it is checked here.)"""
 
 import re

@@ -1,4 +1,4 @@
-"""Recipe names (SPEC §6): the reference set decodes field by field, every name round-trips,
+"""Recipe names (docs/recipes.md): the reference set decodes field by field, every name round-trips,
 malformed names are rejected naming the offending token, the presets and the CLI print."""
 
 import dataclasses
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twinstep import recipe
+from twinstep import recipes
 from twinstep.cli import main
-from twinstep.recipe import PRESETS, REFERENCE_NAMES, Recipe, RecipeError, parse
+from twinstep.recipes import PRESETS, REFERENCE_NAMES, Recipe, RecipeError, parse
 
 # name -> the fields it must decode to (the rest: the dataclass defaults)
 EXPECTED = {
@@ -82,8 +82,8 @@ decimals = st.one_of(st.none(), st.sampled_from([0.0, 0.05, 0.1, 1e-4]),
 
 
 @settings(max_examples=300)
-@given(net=st.sampled_from(sorted(recipe.NET_RES)), res=st.one_of(st.none(), st.integers(1, 999)),
-       optimizer=st.sampled_from(sorted(recipe.OPTIMIZERS)), accum=st.integers(1, 64),
+@given(net=st.sampled_from(sorted(recipes.NET_RES)), res=st.one_of(st.none(), st.integers(1, 999)),
+       optimizer=st.sampled_from(sorted(recipes.OPTIMIZERS)), accum=st.integers(1, 64),
        batch=st.integers(1, 4096), flags=st.lists(st.booleans(), min_size=9, max_size=9),
        label_smoothing=decimals,
        weight_decay=st.one_of(decimals, st.floats(0, 10, exclude_max=True)))
@@ -172,7 +172,7 @@ def test_presets():
     assert a1.drop and a2.drop and not a3.drop and m.drop and m.dropout
     assert m.drop_path_rate == 0.075 and m.dropout_rate == 0.2
     assert not any(p.ema for p in (a1, a2, a3, m))
-    assert a3.total_steps == 100 * (recipe.IMAGENET_TRAIN_IMAGES // 2048)
+    assert a3.total_steps == 100 * (recipes.IMAGENET_TRAIN_IMAGES // 2048)
     for key, p in PRESETS.items():
         assert parse(key) is p
         q = parse(p.name)  # the name is lossy for lr, epochs, ...: only its fields survive
@@ -183,11 +183,11 @@ def test_presets():
 
 
 def test_describe_covers_every_field():
-    rows = dict(recipe.describe(PRESETS["rsb-a3"], replicas=8))
+    rows = dict(recipes.describe(PRESETS["rsb-a3"], replicas=8))
     assert {f.name for f in dataclasses.fields(Recipe)} <= set(rows)
     assert rows["name"] == "resnet50in160_lambdp256wxbcewd002"
     assert rows["effective batch"].endswith("= 2048")
-    assert "effective batch" not in dict(recipe.describe(PRESETS["rsb-a3"], None))
+    assert "effective batch" not in dict(recipes.describe(PRESETS["rsb-a3"], None))
 
 
 def test_cli_table(capsys):
@@ -221,7 +221,7 @@ def test_cli_help_lists_grammar_and_presets(capsys):
         main(["recipe", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert recipe.GRAMMAR in out and all(k in out for k in PRESETS)
+    assert recipes.GRAMMAR in out and all(k in out for k in PRESETS)
     with pytest.raises(SystemExit) as e:
         main(["recipe", "rsb-a1", "--replicas", "0"])
     assert e.value.code == 2

@@ -1,8 +1,8 @@
-"""Renders (twinstep.render): the exported whole train step and what its manifest claims.
+"""Renders (twinstep.renders): the exported whole train step and what its manifest claims.
 
 The StableHLO checks read the text the artifact was serialized from. On this CPU-only machine
 bf16 is checked in the StableHLO, where the policy is visible: XLA:CPU upcasts bf16
-convolutions to f32 when it compiles (SPEC §8), so only a GPU's optimized HLO can show the
+convolutions to f32 when it compiles (docs/platform.md), so only a GPU's optimized HLO can show the
 compiled convolutions stay bf16 — bench/gpu_bf16_hlo.py checks that on a GPU machine.
 """
 
@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from twinstep import cli, dp, hlo, optim, program, render, step, tie
+from twinstep import cli, dp, hlo, optim, program, renders, step, ties
 from twinstep.collectives import SITES
 from twinstep.nets import get_net
-from twinstep.recipe import parse
+from twinstep.recipes import parse
 
 # the issue's example: AdamW, N = 2 per replica, on R = 4 at 32², K = 10
 EXAMPLE = "resnet50in_adamdp2"
@@ -35,18 +35,18 @@ ON_EXAMPLE = pytest.mark.xdist_group("example_f64")
 def example_f64(tmp_path_factory):
     """The example rendered in f64 for R = 4 and written out."""
     out = tmp_path_factory.mktemp("renders")
-    r = render.render(render.RenderConfig(EXAMPLE, 4, precision="f64", **SMALL))
-    return r, render.write(r, str(out))
+    r = renders.render(renders.RenderConfig(EXAMPLE, 4, precision="f64", **SMALL))
+    return r, renders.write(r, str(out))
 
 
 @ON_EXAMPLE
 @pytest.mark.slow
 def test_rendering_twice_is_byte_identical(example_f64, tmp_path):
     first, paths = example_f64
-    again = render.render(first.config)
+    again = renders.render(first.config)
     assert again.mlir == first.mlir and again.serialized == first.serialized
-    again_paths = render.write(again, str(tmp_path))
-    for suffix in render.SUFFIXES:
+    again_paths = renders.write(again, str(tmp_path))
+    for suffix in renders.SUFFIXES:
         with open(paths[suffix], "rb") as a, open(again_paths[suffix], "rb") as b:
             assert a.read() == b.read(), suffix
     # no file paths in the locations: the text depends on the program, not on the checkout
@@ -55,9 +55,9 @@ def test_rendering_twice_is_byte_identical(example_f64, tmp_path):
 
 @pytest.mark.slow
 def test_one_replica_render_is_the_single_device_render():
-    cfg = render.RenderConfig(EXAMPLE, 1, **SMALL)
-    one = render.render(cfg)
-    single = render.export_step(cfg, single=True).exported
+    cfg = renders.RenderConfig(EXAMPLE, 1, **SMALL)
+    one = renders.render(cfg)
+    single = renders.export_step(cfg, single=True).exported
     assert hlo.collectives(one.mlir) == []
     assert one.manifest["collectives"]["per_micro_step"] == 0
     assert one.mlir == single.mlir_module()
@@ -73,7 +73,7 @@ def test_a_four_replica_render_needs_one_device(example_f64, tmp_path):
     code = ("import jax\n"
             "assert jax.device_count() == 1, jax.devices()\n"
             "from twinstep import render\n"
-            f"r = render.render(render.RenderConfig({EXAMPLE!r}, 4, precision='f64', res=32, "
+            f"r = renders.render(renders.RenderConfig({EXAMPLE!r}, 4, precision='f64', res=32, "
             "classes=10))\n"
             "assert r.exported.nr_devices == 4\n"
             f"render.write(r, {str(tmp_path)!r})\n")
@@ -90,7 +90,7 @@ def test_a_four_replica_render_needs_one_device(example_f64, tmp_path):
                                   "mnv4in_emaaccdp8x128wxdowd005bf16"])
 @pytest.mark.slow
 def test_collectives_match_the_design_and_stay_f32(name):
-    r = render.render(render.RenderConfig(name, 4, **SMALL))
+    r = renders.render(renders.RenderConfig(name, 4, **SMALL))
     net = r.recipe.net
     c = r.manifest["collectives"]
     bns, tensors = BNS[net], TENSORS[net]
@@ -122,16 +122,16 @@ def test_the_counter_sees_missing_collectives():
     that control (each replica would keep its own running statistics)."""
     net = get_net("resnet50")
     for control, want in (("none", 3 * 53 + 161 + 1), ("unsynced", 161 + 1)):
-        cfg = tie.TieConfig("resnet50", 4, control=control)
-        params, buffers, x, t = tie.setup(cfg, net)
-        program = tie.replica_program(net, cfg, tie.tie_precision("f64"))
+        cfg = ties.TieConfig("resnet50", 4, control=control)
+        params, buffers, x, t = ties.setup(cfg, net)
+        program = ties.replica_program(net, cfg, ties.tie_precision("f64"))
         text = program.lower(params, buffers, x, t).as_text(debug_info=True)
         ops = hlo.collectives(text)
         assert len(ops) == want, control
         assert {o["site"] for o in ops} == ({"grad", "loss"} if control == "unsynced"
                                             else set(SITES))
-    with pytest.raises(render.RenderError, match="running statistics"):
-        render.render(render.RenderConfig(EXAMPLE, 4, control="unsynced", **SMALL))
+    with pytest.raises(renders.RenderError, match="running statistics"):
+        renders.render(renders.RenderConfig(EXAMPLE, 4, control="unsynced", **SMALL))
 
 
 def test_the_collective_reader_sees_bf16_and_sites():
@@ -157,7 +157,7 @@ def test_the_collective_reader_sees_bf16_and_sites():
 def test_bf16_renders_have_bf16_convolutions(net, name):
     """Forward, input-gradient and weight-gradient convolutions all take bf16 operands and give
     a bf16-TYPED result, in the StableHLO (on CPU; see the module docstring for the GPU)."""
-    r = render.render(render.RenderConfig(name, 2, **SMALL))
+    r = renders.render(renders.RenderConfig(name, 2, **SMALL))
     convs = hlo.convolutions(r.mlir)
     assert convs and all(d == "bf16" for c in convs for _, d in c["operands"] + [c["result"]])
     dense = sum(len(s) == 4 and s[1] > 1 for s in get_net(net).param_shapes(10).values())
@@ -165,7 +165,7 @@ def test_bf16_renders_have_bf16_convolutions(net, name):
     # MNv4 on CPU: the dense convs (depthwise runs as shifted multiply-adds there)
     assert len(convs) == 3 * dense - 1
     assert r.manifest["convolutions"] == {"count": len(convs), "dtypes": ["bf16"]}
-    f32 = render.render(render.RenderConfig(name.replace("bf16", ""), 2, **SMALL))
+    f32 = renders.render(renders.RenderConfig(name.replace("bf16", ""), 2, **SMALL))
     assert f32.manifest["convolutions"]["dtypes"] == ["f32"]  # the check tells them apart
     # rendered as the CLI renders them, x64 or not: no f64 anywhere in the program
     assert "f64" not in r.mlir and "f64" not in f32.mlir
@@ -177,7 +177,7 @@ def test_bf16_renders_have_bf16_convolutions(net, name):
 
 @pytest.mark.slow
 def test_bf16_renders_for_gpu_lower_depthwise_as_bf16_convolutions():
-    r = render.render(render.RenderConfig("mnv4in_adamdp2bf16", 2, platform="cuda", **SMALL))
+    r = renders.render(renders.RenderConfig("mnv4in_adamdp2bf16", 2, platform="cuda", **SMALL))
     shapes = get_net("mnv4").param_shapes(10).values()
     dense = sum(len(s) == 4 and s[1] > 1 for s in shapes)
     depthwise = sum(len(s) == 4 and s[1] == 1 for s in shapes)
@@ -192,7 +192,7 @@ def test_manifest_describes_the_signature(example_f64):
     r, paths = example_f64
     with open(paths[".json"]) as f:
         m = json.load(f)
-    assert tuple(m) == render.MANIFEST_KEYS
+    assert tuple(m) == renders.MANIFEST_KEYS
     assert (m["net"], m["replicas"], m["batch"], m["global_batch"], m["accum"]) == (
         "resnet50", 4, 2, 8, 1)
     assert m["parameters"] == {"tensors": 161, "scalars": 23528522}  # K = 10
@@ -210,9 +210,9 @@ def test_manifest_describes_the_signature(example_f64):
 
 def _example_inputs(seed=3):
     """A trained-looking state (BN randomised), one batch, a key: the tie's own set-up."""
-    cfg = tie.TieConfig("resnet50", 4, 2, 32, 10, "ce", "f64", seed)
+    cfg = ties.TieConfig("resnet50", 4, 2, 32, 10, "ce", "f64", seed)
     net, recipe = get_net("resnet50"), parse(EXAMPLE)
-    params, buffers, _, _ = tie.setup(cfg, net)
+    params, buffers, _, _ = ties.setup(cfg, net)
     opt = optim.for_recipe(recipe, params)
     # every counter (step, Adam's, the schedule's) at 5: past lr(0) = 0, so parameters move
     state = jax.tree.map(lambda a: jnp.full_like(a, 5) if a.dtype == jnp.int32 else a,
@@ -231,14 +231,14 @@ def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_p
     `test_tie_artifact_...` ties to the single-device Python step."""
     _, paths = example_f64
     _, _, _, _, state, xs, ts, key = _example_inputs()
-    names = render.state_names(state)
+    names = renders.state_names(state)
     arrays = dict(zip(names, map(np.asarray, jax.tree.leaves(state)), strict=True))
     np.savez(tmp_path / "in.npz", xs=np.asarray(xs), ts=np.asarray(ts),
              key=np.asarray(jax.random.key_data(key)), **arrays)
-    run = program.artifact_program(*render.load(paths[".jaxexport"]))
+    run = program.artifact_program(*renders.load(paths[".jaxexport"]))
     ref, metrics = run(state, xs, ts, key)
-    ref = jax.tree.map(tie.host, ref)  # one host copy, not the R = 4 replicated state
-    script = os.path.join(os.path.dirname(render.__file__), "artifact.py")
+    ref = jax.tree.map(ties.host, ref)  # one host copy, not the R = 4 replicated state
+    script = os.path.join(os.path.dirname(renders.__file__), "artifact.py")
     code = ("import runpy, sys\n"
             f"sys.argv = ['artifact.py', {paths['.jaxexport']!r}, '--inputs', "
             f"{str(tmp_path / 'in.npz')!r}, '--outputs', {str(tmp_path / 'out.npz')!r}]\n"
@@ -257,13 +257,13 @@ def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_p
     # to the whole-step tie's bound: max(1e-10, 10 x what a rounding-sized input nudge moves
     # the step by).
     u = jax.random.normal(jax.random.key(1), xs.shape, xs.dtype)
-    nudged, _ = run(state, xs * (1 + tie.perturbation(xs.dtype) * u), ts, key)
-    nudged = jax.tree.map(tie.host, nudged)
+    nudged, _ = run(state, xs * (1 + ties.perturbation(xs.dtype) * u), ts, key)
+    nudged = jax.tree.map(ties.host, nudged)
     ours = jax.tree.unflatten(jax.tree.structure(state), [out[n] for n in names])
-    rows = tie.compare_states(ours, ref, (nudged,), tie.F64_PARAM_BOUND)
+    rows = ties.compare_states(ours, ref, (nudged,), ties.F64_PARAM_BOUND)
     assert len(rows) == len(names) and all(r["ok"] for r in rows), [
         r for r in rows if not r["ok"]][:3]
-    assert tie.rel(out["loss"], metrics["loss"]) <= 1e-13
+    assert ties.rel(out["loss"], metrics["loss"]) <= 1e-13
     assert int(out["step"]) == 6
     for name in ("params/fc.weight", "params/conv1.weight", "params/layer4.2.bn3.weight"):
         assert not np.array_equal(out[name], arrays[name]), name  # it stepped
@@ -287,9 +287,9 @@ def test_tie_artifact_ties_the_render_and_catches_a_broken_one(example_f64, tmp_
     assert rep["ok"] and rep["artifact"] == paths[".jaxexport"]
     # params (which move from the second step: lr(0) = 0), buffers, Adam's mu and nu, counts
     assert len(rep["steps"][1]["rows"]) == 592 and rep["steps"][1]["loss"]["ok"]
-    broken = render.render(render.RenderConfig(EXAMPLE, 4, precision="f64",
+    broken = renders.render(renders.RenderConfig(EXAMPLE, 4, precision="f64",
                                                control="wrong-divisor", **SMALL))
-    bad = render.write(broken, str(tmp_path / "broken"))
+    bad = renders.write(broken, str(tmp_path / "broken"))
     assert cli.main(["tie", "--artifact", bad[".jaxexport"], "--steps", "1"]) == 1
 
 
@@ -312,8 +312,8 @@ def test_cli_render_usage_errors(tmp_path, example_f64, capsys):
     fails(["tie", "--artifact", "x.mlir"], "NAME.jaxexport")
     fails(["tie"], "the net is required")
     # an f32 render is not tied (the tie is exact in f64), and a tampered one is refused
-    r = render.render(render.RenderConfig(EXAMPLE, 2, **SMALL))
-    f32 = render.write(r, str(tmp_path / "f32"))
+    r = renders.render(renders.RenderConfig(EXAMPLE, 2, **SMALL))
+    f32 = renders.write(r, str(tmp_path / "f32"))
     assert cli.main(["tie", "--artifact", f32[".jaxexport"]]) == 2
     assert "--precision f64" in capsys.readouterr().err
     with open(f32[".jaxexport"], "ab") as f:
@@ -331,16 +331,16 @@ def test_committed_manifests_are_current():
     """renders/ holds `render --all --replicas 4` manifests (the .mlir and .jaxexport are not
     committed): one per name, and each still describes what the code renders — signature,
     collectives, convolutions — checked here for the smallest of each net."""
-    folder = os.path.join(os.path.dirname(os.path.dirname(render.__file__)), "renders")
+    folder = os.path.join(os.path.dirname(os.path.dirname(renders.__file__)), "renders")
     manifests = {}
-    for name in render.all_names():
+    for name in renders.all_names():
         with open(os.path.join(folder, name + ".json")) as f:
             manifests[name] = json.load(f)
     for name in ("resnet50in_momdp64", "mnv4in_adamdp64"):
         m = manifests[name]
-        fresh = render.render(render.RenderConfig(name, m["replicas"], m["res"], m["classes"],
+        fresh = renders.render(renders.RenderConfig(name, m["replicas"], m["res"], m["classes"],
                                                   m["precision"], m["platform"])).manifest
-        for key in render.MANIFEST_KEYS:
+        for key in renders.MANIFEST_KEYS:
             if key not in ("versions", "files"):
                 assert json.loads(json.dumps(fresh[key])) == m[key], (name, key)
     assert {m["replicas"] for m in manifests.values()} == {4}

@@ -1,5 +1,5 @@
-"""The whole train step's accumulation (SPEC §6), single device, float64: k micro-steps give the
-mean of k `grad_step` gradients, each micro-batch normalised over its own rows, and running
+"""The whole train step's accumulation (docs/recipes.md), single device, float64: k micro-steps
+give the mean of k `grad_step` gradients, each micro-batch normalised over its own rows, and running
 statistics moved k times at 1 - (1 - m)^(1/k)."""
 
 import dataclasses
@@ -10,8 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from twinstep import dp, optim, step, tie
-from twinstep import recipe as recipes
+from twinstep import dp, optim, recipes, step, ties
 from twinstep.nets import get_net, layers
 from twinstep.ops import batchnorm
 from twinstep.ops.precision import F64
@@ -28,8 +27,8 @@ def jit(fn, **kw):
 def test_accumulation_is_the_mean_of_the_micro_steps():
     net = get_net("resnet50")
     rec = recipes.parse("resnet50in_lambaccdp2x2wxclipbce")
-    cfg = tie.TieConfig(replicas=1, batch=4)
-    params, buffers, _, _ = tie.setup(cfg, net)
+    cfg = ties.TieConfig(replicas=1, batch=4)
+    params, buffers, _, _ = ties.setup(cfg, net)
     rng = np.random.default_rng(0)
     xs = jnp.asarray(rng.standard_normal((2, 4, 32, 32, 3)))
     ts = jnp.asarray(np.eye(10)[rng.integers(0, 10, (2, 4))])
@@ -47,12 +46,12 @@ def test_accumulation_is_the_mean_of_the_micro_steps():
     b = micro(params, a.buffers, xs[1], t1, m)
     for name in params:
         # the tie's f64 bounds: two compiled programs (a scan, two calls) round differently
-        assert tie.rel(grads[name], (a.grads[name] + b.grads[name]) / 2) <= tie.F64_PARAM_BOUND
+        assert ties.rel(grads[name], (a.grads[name] + b.grads[name]) / 2) <= ties.F64_PARAM_BOUND
     for name in buffers:
-        assert tie.rel(bufs[name], b.buffers[name]) <= tie.F64_STAT_BOUND, name
+        assert ties.rel(bufs[name], b.buffers[name]) <= ties.F64_STAT_BOUND, name
     # a control: one micro-step at the full momentum moves the buffers elsewhere
     c = micro(params, buffers, xs[0], t0, batchnorm.MOMENTUM)
-    assert max(tie.rel(c.buffers[k], a.buffers[k]) for k in buffers) > 1e-3
+    assert max(ties.rel(c.buffers[k], a.buffers[k]) for k in buffers) > 1e-3
 
 
 def test_the_optimizer_sees_the_clipped_mean_and_eval_reads_raw_or_ema():
@@ -60,7 +59,7 @@ def test_the_optimizer_sees_the_clipped_mean_and_eval_reads_raw_or_ema():
     the clip acts), then the EMA; eval_logits reads the raw or the EMA weights."""
     net = get_net("resnet50")
     rec = recipes.parse("resnet50in_emaaccdp2x2wxclip")
-    params, buffers, _, _ = tie.setup(tie.TieConfig(replicas=1, batch=4), net)
+    params, buffers, _, _ = ties.setup(ties.TieConfig(replicas=1, batch=4), net)
     rng = np.random.default_rng(1)
     xs = jnp.asarray(rng.standard_normal((2, 4, 32, 32, 3)))
     ts = jnp.asarray(np.eye(10)[rng.integers(0, 10, (2, 4))])
@@ -83,16 +82,16 @@ def test_the_optimizer_sees_the_clipped_mean_and_eval_reads_raw_or_ema():
         st.params, opt.update(g, st.opt_state, st.params)[0]))  # one program, eager is ~600
     expected = step_with(grads, state)
     for name in params:
-        assert tie.rel(new.params[name], expected[name]) <= tie.F64_PARAM_BOUND, name
+        assert ties.rel(new.params[name], expected[name]) <= ties.F64_PARAM_BOUND, name
     # a control: clipping each micro-step's gradient before the mean lands elsewhere
     clip = jit(lambda g: optax.tree.scale(jnp.minimum(1.0, 1.0 / optax.tree.norm(g)), g))
     moved = step_with(mean(*map(clip, each)), state)
-    assert max(tie.rel(moved[n], expected[n]) for n in params) > 1e-6
+    assert max(ties.rel(moved[n], expected[n]) for n in params) > 1e-6
 
     evaluate = jit(lambda st, use_ema: step.eval_logits(net, st, xs[0], ctx, use_ema),
                        static_argnums=1)
     with_ema = evaluate(new, True)
     direct = jit(lambda p, b: net.forward(p, b, xs[0], dataclasses.replace(ctx, train=False))[0])(
         *new.ema)
-    assert tie.rel(with_ema, direct) <= 1e-12
-    assert tie.rel(evaluate(new, False), with_ema) > 1e-6
+    assert ties.rel(with_ema, direct) <= 1e-12
+    assert ties.rel(evaluate(new, False), with_ema) > 1e-6

@@ -1,4 +1,4 @@
-"""The tie over whole training steps (SPEC §6): after the gradient collective every replica
+"""The tie over whole training steps (docs/recipes.md): after the gradient collective every replica
 holds the same gradient, so accumulation, clip, optimizer, EMA and running statistics leave the
 R replicas in the single device's state at R*N — every parameter, optimizer-state, EMA and
 running-statistics tensor, after every one of three steps, float64. And the replicated-masks
@@ -22,8 +22,7 @@ import numpy as np
 import pytest
 from conftest import FAST_COMPILE_NETS
 
-from twinstep import dp, step, tie
-from twinstep import recipe as recipes
+from twinstep import dp, recipes, step, ties
 from twinstep.nets import get_net
 
 LAMB_ACC = "resnet50in_lambaccdp2x2wxclipbce"  # LAMB, k = 2, clip, wx, BCE
@@ -33,14 +32,14 @@ STEP_FEATURES = "mnv4in_emaaccdp2x2wxclipdropdobce"
 EVERY_FEATURE = "mnv4in_emalambaccdp2x2wxclipdropdobce"
 
 
-def run(name: str, replicas: int, steps: int = 3, control: str = "none") -> tie.StepsReport:
+def run(name: str, replicas: int, steps: int = 3, control: str = "none") -> ties.StepsReport:
     r = recipes.parse(name)
-    cfg = tie.TieConfig(net=r.net, replicas=replicas, batch=r.batch, loss=r.loss, recipe=name,
+    cfg = ties.TieConfig(net=r.net, replicas=replicas, batch=r.batch, loss=r.loss, recipe=name,
                         control=control, fast_compile=r.net in FAST_COMPILE_NETS)
-    return tie.run_steps_tie(cfg, r, steps)
+    return ties.run_steps_tie(cfg, r, steps)
 
 
-def fields(report: tie.StepsReport) -> dict:
+def fields(report: ties.StepsReport) -> dict:
     out: dict = {}
     for row in report.steps[-1]["rows"]:
         out.setdefault(row["name"].split("/")[0], []).append(row)

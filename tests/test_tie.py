@@ -18,7 +18,7 @@ from conftest import FAST_COMPILE_NETS, SWEEP_PHASES
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from twinstep import tie
+from twinstep import ties
 from twinstep.collectives import CONTROLS, MASK_CONTROLS
 from twinstep.nets import get_net
 
@@ -31,21 +31,21 @@ def matrix(*cases, keep):
     return [pytest.param(*c, marks=() if c in keep else ALL) for c in cases]
 
 
-def run(**kw) -> tie.TieReport:
-    cfg = tie.TieConfig(**kw)
-    return tie.run_tie(dataclasses.replace(cfg, fast_compile=cfg.net in FAST_COMPILE_NETS))
+def run(**kw) -> ties.TieReport:
+    cfg = ties.TieConfig(**kw)
+    return ties.run_tie(dataclasses.replace(cfg, fast_compile=cfg.net in FAST_COMPILE_NETS))
 
 
-def assert_tied(r: tie.TieReport):
+def assert_tied(r: ties.TieReport):
     assert r.ok, r.verdict()
     assert (len(r.parameters), len(r.bn_sites)) == COUNTS[r.config.net]
     assert r.replicas_agree
 
 
-def assert_no_collective(cfg: tie.TieConfig):
+def assert_no_collective(cfg: ties.TieConfig):
     net = get_net(cfg.net)
-    prec = tie.tie_precision(cfg.precision)
-    text = tie.replica_program(net, cfg, prec).lower(*tie.setup(cfg, net)).as_text()
+    prec = ties.tie_precision(cfg.precision)
+    text = ties.replica_program(net, cfg, prec).lower(*ties.setup(cfg, net)).as_text()
     assert "all_reduce" not in text and "all-reduce" not in text
 
 
@@ -123,7 +123,7 @@ def test_f32_bound_still_sees_a_bug(net):
 @pytest.mark.slow
 @pytest.mark.parametrize("net", sorted(COUNTS))
 def test_bf16_ties_at_the_partial_sum_boundary(net):
-    """bf16 (tie.tie_precision): every conv weight gradient within SPEC §5's boundary
+    """bf16 (ties.tie_precision): every conv weight gradient within the bf16 boundary (docs/tie.md)
     elementwise, and that boundary is what separates the two programs — the error is of its
     size, not far below it; everything else ties at the f64 bounds; a control still fails."""
     r = run(net=net, precision="bf16")  # R = 4: at R = 2 MNv4 misses two conv weight bounds

@@ -1,1 +1,25 @@
+"""twinstep: data-parallel ResNet-50 and MobileNetV4-Conv-M with synchronised BatchNorm, whose
+R-replica train step is tied to the single-device step at the global batch R·N.
+
+    import twinstep
+    report = twinstep.tie("resnet50", replicas=2)
+    print(report.verdict())
+
+The functions below are `twinstep.api`'s, imported when first used (``import twinstep`` itself
+does not start JAX, so the API can still ask JAX for R virtual CPU devices).
+"""
+
+from twinstep.errors import UsageError
+
 __version__ = "0.1.0"
+API = ("tie", "tie_steps", "tie_artifact", "render", "load_artifact", "recipe", "get_net",
+       "devices")
+__all__ = ["UsageError", "__version__", *API]
+
+
+def __getattr__(name: str):
+    if name in API:
+        from twinstep import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'twinstep' has no attribute {name!r}")

@@ -25,8 +25,8 @@ def get_net(name: str):
 
 
 def parse_recipe(name: str):
-    """The `twinstep.recipe.Recipe` a recipe name or preset stands for."""
-    from twinstep import recipe as recipes
+    """The `twinstep.recipes.Recipe` a recipe name or preset stands for."""
+    from twinstep import recipes
 
     try:
         return recipes.parse(name)
@@ -62,10 +62,10 @@ def _x64(precision: str):
 def tie(net: str = "resnet50", progress=None, **config):
     """Tie one gradient step: R replicas of N against one device at R N, every parameter
     gradient, BN statistic, the loss and the running statistics. ``config``: the fields of
-    `twinstep.tie.TieConfig` (replicas, batch, res, classes, loss, precision, seed, shift,
-    control, fast_compile). Returns a `twinstep.tie.TieReport` (``.ok``, ``.verdict()``,
+    `twinstep.ties.TieConfig` (replicas, batch, res, classes, loss, precision, seed, shift,
+    control, fast_compile). Returns a `twinstep.ties.TieReport` (``.ok``, ``.verdict()``,
     ``.to_json()``); ``progress(text)`` is told what runs now."""
-    from twinstep import tie as ties
+    from twinstep import ties
 
     cfg = ties.TieConfig(net=net, **config)
     if cfg.recipe:
@@ -79,8 +79,8 @@ def tie_steps(recipe: str, steps: int | None = None, progress=None, **config):
     """Tie ``steps`` (default 3) whole training steps of ``recipe`` (a name or preset) in
     float64: every parameter, optimizer-state, EMA and running-statistics tensor after every
     step. ``config``: TieConfig's fields (the net, batch and loss come from the recipe).
-    Returns a `twinstep.tie.StepsReport`."""
-    from twinstep import tie as ties
+    Returns a `twinstep.ties.StepsReport`."""
+    from twinstep import ties
 
     net = config.pop("net", None) or parse_recipe(recipe).net
     cfg = ties.TieConfig(net=net, recipe=recipe, **config)
@@ -118,7 +118,7 @@ def read_manifest(path: str) -> dict:
 
 def load_artifact(path: str) -> Artifact:
     """NAME.jaxexport and the NAME.json beside it, checked against each other (sha256)."""
-    from twinstep import render as renders
+    from twinstep import renders
 
     devices(read_manifest(path).get("replicas", 1))  # before JAX starts: its R devices
     exported, manifest = renders.load(path)
@@ -129,9 +129,8 @@ def tie_artifact(path: str, steps: int | None = None, seed: int = 0, shift: bool
                  fast_compile: bool = False, progress=None):
     """Tie a render's deserialized step (an f64 render, for this platform) against the
     single-device Python step over ``steps`` whole steps; net, R, N, resolution, classes and
-    recipe come from its manifest. Returns a `twinstep.tie.StepsReport`."""
-    from twinstep import render as renders
-    from twinstep import tie as ties
+    recipe come from its manifest. Returns a `twinstep.ties.StepsReport`."""
+    from twinstep import renders, ties
 
     art = load_artifact(path)
     m = art.manifest
@@ -153,10 +152,10 @@ def tie_artifact(path: str, steps: int | None = None, seed: int = 0, shift: bool
 
 def render(name: str, replicas: int = 1, out: str | None = None, **config):
     """Export recipe ``name``'s whole train step for an R-device mesh (no R devices needed).
-    ``config``: the fields of `twinstep.render.RenderConfig` (res, classes, precision,
+    ``config``: the fields of `twinstep.renders.RenderConfig` (res, classes, precision,
     platform, control). With ``out`` the three files are written there. Returns a
-    `twinstep.render.Render` (``.exported``, ``.mlir``, ``.manifest``)."""
-    from twinstep import render as renders
+    `twinstep.renders.Render` (``.exported``, ``.mlir``, ``.manifest``)."""
+    from twinstep import renders
 
     made = renders.render(renders.RenderConfig(name, replicas, **config))
     if out is not None:

@@ -3,7 +3,7 @@
 Each command is a pair side by side: ``add_<command>`` builds its parser, ``run_<command>`` does
 it through the Python API (`twinstep.api`); `COMMANDS` is the dispatch table, and the options
 several commands share are defined once (`_count`, `_json_out`, `_json_print`, `_seed`).
-Configurations check themselves (`twinstep.tie.TieConfig`, `twinstep.render.RenderConfig`), so
+Configurations check themselves (`twinstep.ties.TieConfig`, `twinstep.renders.RenderConfig`), so
 the CLI and the API refuse the same things with the same one-line messages.
 
 Exit status: 0 success, 1 a check failed, 2 bad usage or input, 3 an internal or environment
@@ -70,8 +70,9 @@ def add_certify(sub) -> None:
     c = sub.add_parser(
         "certify", help="certify the op library's hand-written VJPs (float64)",
         description="Check every op's hand-written VJP against jax.vjp (<= 1e-12) and central "
-                    "finite differences (<= 1e-6); check SPEC §1's four data-parallel facts "
-                    "(sharding, collectives, homogeneity, divisor) under jax.shard_map on R "
+                    "finite differences (<= 1e-6); check the four data-parallel facts "
+                    "(sharding, collectives, homogeneity, divisor; docs/tie.md) under "
+                    "jax.shard_map on R "
                     "virtual devices with shifted shards; and check that each negative control "
                     "(unsynced BN, shard-statistics gamma, sum for mean, wrong divisor, the "
                     "E[x^2]-E[x]^2 variance exchange) is caught. Exit 0 when all hold.")
@@ -138,13 +139,13 @@ def run_info(args, parser) -> int:
 
 
 def add_recipe(sub) -> None:
-    from twinstep import recipe
+    from twinstep import recipes
 
     r = sub.add_parser(
         "recipe", help="decode a recipe name (or a preset) and print every field",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Decode a recipe name into the training configuration it stands for.\n\n"
-                    f"Grammar: {recipe.GRAMMAR}\n"
+                    f"Grammar: {recipes.GRAMMAR}\n"
                     "  net resnet50 | mnv4; data in (ImageNet-1k); res: the train resolution "
                     "(default: the net's)\n"
                     "  ema: EMA of weights; opt lamb | adam (AdamW) | mom (SGD, momentum) | "
@@ -158,8 +159,8 @@ def add_recipe(sub) -> None:
                     "  and weight decay, point after the first digit (wd005 = 0.05); "
                     "bf16: bf16 convs\n"
                     "Tokens go in this order, each at most once. The replica count R is not in "
-                    "the name.\n\nPresets (SPEC §6, dp on R = 8):\n"
-                    + "\n".join(f"  {k:<12} {v.name}" for k, v in recipe.PRESETS.items())
+                    "the name.\n\nPresets (docs/recipes.md; dp on R = 8):\n"
+                    + "\n".join(f"  {k:<12} {v.name}" for k, v in recipes.PRESETS.items())
                     + "\n\nExit 0 on a valid name, 2 on a bad one (the error names the token).")
     r.add_argument("name", help="a grammar name, e.g. resnet50in160_lambaccdp4x128wxclipbcebf16, "
                                 "or a preset")
@@ -172,11 +173,11 @@ def run_recipe(args, parser) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from twinstep import recipe
+    from twinstep import recipes
 
     try:
-        r = recipe.parse(args.name)
-    except recipe.RecipeError as e:
+        r = recipes.parse(args.name)
+    except recipes.RecipeError as e:
         print(f"twinstep: {e}", file=sys.stderr)
         return 2
     if args.json:
@@ -192,7 +193,7 @@ def run_recipe(args, parser) -> int:
     table = Table(title=title)
     table.add_column("field")
     table.add_column("value")
-    for label, value in recipe.describe(r, args.replicas):
+    for label, value in recipes.describe(r, args.replicas):
         table.add_row(label, value)
     Console().print(table)
     return 0
@@ -248,7 +249,7 @@ def run_parity(args, parser) -> int:
 def add_tie(sub) -> None:
     from twinstep.collectives import CONTROLS
     from twinstep.nets import NETS
-    from twinstep.tie import PRECISIONS, TieConfig
+    from twinstep.ties import PRECISIONS, TieConfig
 
     default = _defaults(TieConfig)
     t = sub.add_parser(
@@ -259,16 +260,18 @@ def add_tie(sub) -> None:
                     "single-device step on the concatenated batch R*N, from the same "
                     "parameters, and compare every parameter gradient, every BN site's "
                     "global statistics, the logits, the loss and the running statistics.\n\n"
-                    "Bounds: f64 — parameters 1e-10, BN statistics 1e-12 (relative). f32 — "
-                    "max(1e-4, 10 x SENSITIVITY) per tensor, SENSITIVITY being what f32 "
-                    "arithmetic alone moves the single-device value by (a 1e-6 input "
-                    "perturbation or a reordered batch). bf16 — the bf16 policy's rounding "
-                    "points (every conv operand and result) with f64 around them, so both "
-                    "programs feed every conv the same bf16 operands: conv weight gradients "
-                    "elementwise against SPEC §5's partial-sum rounding boundary, everything "
-                    "else at the f64 bounds; R must be a power of two.\n\n"
+                    "Bounds, relative, per tensor: max(FLOOR, 10 x SENSITIVITY), SENSITIVITY "
+                    "being what arithmetic alone moves the single-device value by (a "
+                    "rounding-sized input perturbation or a reordered batch); FLOOR is 1e-10 "
+                    "for parameters and 1e-12 for BN statistics in f64, 1e-4 in f32. bf16 — "
+                    "the bf16 policy's rounding points (every conv operand and result) with "
+                    "f64 around them, so both programs feed every conv the same bf16 "
+                    "operands: conv weight gradients elementwise against the partial-sum "
+                    "rounding boundary (docs/tie.md), everything else at the f64 bounds; R "
+                    "must be a power of two.\n\n"
                     "Exit 0 when everything ties, 1 when anything fails, 2 on bad "
-                    "usage. Controls inject a classic bug; each must make the tie fail:\n"
+                    "usage, 3 on an internal error. Controls inject a classic bug; each must "
+                    "make the tie fail:\n"
                     + "\n".join(f"  {k:<14} {v}" for k, v in CONTROLS.items()))
     t.add_argument("net", choices=sorted(NETS), nargs="?",
                    help="the network (omitted with --artifact: the render names it)")
@@ -289,7 +292,7 @@ def add_tie(sub) -> None:
                                                       "worst 10 and counts)")
     _json_out(t, "write the full report as JSON")
     t.add_argument("--recipe", metavar="NAME",
-                   help="tie whole training steps of this recipe (a SPEC §6 name or a preset, "
+                   help="tie whole training steps of this recipe (a recipe name or a preset, "
                         "see 'twinstep recipe'): k micro-steps, clip, optimizer, EMA, masks; "
                         "every parameter, optimizer-state, EMA and running-statistics tensor "
                         "compared after every step (f64)")
@@ -356,7 +359,7 @@ def run_tie(args, parser) -> int:
 
 
 def add_render(sub) -> None:
-    from twinstep import render
+    from twinstep import renders
     from twinstep.collectives import CONTROLS
 
     d = sub.add_parser(
@@ -379,21 +382,21 @@ def add_render(sub) -> None:
                     " key uint32[2];\noutputs = state leaves, loss, lr. xs and ts are sharded "
                     "by rows over the mesh.\n\n"
                     "Exit 0 when every render was written, 2 on a bad name or option.")
-    d.add_argument("name", nargs="?", help="a recipe name (SPEC §6 grammar) or preset; see "
+    d.add_argument("name", nargs="?", help="a recipe name (docs/recipes.md) or preset; see "
                                            "'twinstep recipe'")
     d.add_argument("--all", action="store_true",
-                   help=f"render SPEC §6's reference names and the presets (at --res "
-                        f"{render.SMALL_RES} unless given)")
+                   help=f"render the reference names (docs/recipes.md) and the presets (at --res "
+                        f"{renders.SMALL_RES} unless given)")
     _count(d, "--replicas", 1, "the mesh the step is rendered for (default 1: no collective)",
            "R")
     d.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
     _count(d, "--res", None, "input resolution (default: the recipe's train resolution)")
-    _count(d, "--classes", render.DEFAULT_CLASSES,
-           f"classes K (default {render.DEFAULT_CLASSES})")
-    d.add_argument("--precision", choices=render.PRECISIONS, default=None,
+    _count(d, "--classes", renders.DEFAULT_CLASSES,
+           f"classes K (default {renders.DEFAULT_CLASSES})")
+    d.add_argument("--precision", choices=renders.PRECISIONS, default=None,
                    help="default: bf16 with the recipe's bf16 token, else f32; f64 renders are "
                         "the ones 'twinstep tie --artifact' can tie exactly")
-    d.add_argument("--platform", choices=render.PLATFORMS, default=None,
+    d.add_argument("--platform", choices=renders.PLATFORMS, default=None,
                    help="the backend to lower for (default: this machine's); depthwise convs "
                         "lower as shifted multiply-adds for cpu, as grouped convolutions "
                         "elsewhere")
@@ -406,15 +409,15 @@ def run_render(args, parser) -> int:
     """Export recipes' whole train steps for an R-device mesh: NAME.mlir, .jaxexport, .json."""
     from rich.console import Console
 
-    from twinstep import api, render, report
+    from twinstep import api, renders, report
 
     if args.all == (args.name is not None):
         parser.error("give a recipe NAME or --all (not both)")
-    names = render.all_names() if args.all else [args.name]
-    res = args.res or (render.SMALL_RES if args.all else None)
+    names = renders.all_names() if args.all else [args.name]
+    res = args.res or (renders.SMALL_RES if args.all else None)
     rows = []
     for name in names:  # every configuration checked before the first export
-        render.RenderConfig(name, args.replicas, res, args.classes, args.precision,
+        renders.RenderConfig(name, args.replicas, res, args.classes, args.precision,
                             args.platform, args.control)
     for i, name in enumerate(names):
         t0 = time.perf_counter()

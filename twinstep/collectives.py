@@ -33,8 +33,8 @@ MASK_CONTROLS = ("replicated-masks",)  # visible only when a recipe draws masks
 # replicated state: they are tied gradient by gradient only (`twinstep tie NET --control`).
 GRADIENT_ONLY_CONTROLS = ("unsynced",)
 
-# The sync sites (SPEC §3), each collective emitted under a ``jax.named_scope`` of its site's
-# name so that a render's StableHLO says which site every all-reduce belongs to.
+# The sync sites (docs/sync-sites.md), each collective emitted under a ``jax.named_scope`` of its
+# site's name so that a render's StableHLO says which site every all-reduce belongs to.
 SITES = {
     "bn_forward_mean": "a BN's forward mean, mean_r mu_r (one per BN)",
     "bn_forward_var": "a BN's forward variance, mean_r (var_r + (mu_r - mu)^2) (one per BN)",

@@ -41,7 +41,7 @@ def mesh(count: int) -> Mesh:
 def replicate(tree, count: int):
     """``tree`` replicated on `mesh(count)` (as is at one replica). A replica program's outputs
     live there: called first with arrays placed elsewhere and then with its own outputs, jit
-    would compile it twice (a whole train step: ~80 s on this CPU)."""
+    would compile it twice (for a whole train step, most of a tie's time)."""
     if count == 1:
         return tree
     # copied, never aliased with ``tree``'s buffers: a program may donate the replicated tree
@@ -58,9 +58,8 @@ def replicas(count: int, control: str = "none") -> Replicas:
     return Replicas(AXIS, count, control)
 
 
-# XLA:CPU with LLVM at -O0 and the legacy loop emitters: the same numerics, compiles ~4x faster
-# and runs ~2.5x slower (measured on MobileNetV4 at 64 px: ~7 s instead of ~30 s per chain).
-# For checks whose wall time is compile time (the tie, the tests).
+# XLA:CPU with LLVM at -O0 and the legacy loop emitters: the same numerics, a shorter compile and a
+# slower program — for checks whose wall time is compile time (bench/opt_level.py measures both).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 

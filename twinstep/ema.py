@@ -1,4 +1,4 @@
-"""EMA of weights and BN running statistics with timm's ``ModelEmaV3`` semantics (SPEC §6).
+"""EMA of weights and BN running statistics with timm's ``ModelEmaV3`` semantics (docs/recipes.md).
 
 The step is counted as timm's train loop counts it: ``num_updates`` is incremented after each
 optimizer step and THEN ``model_ema.update(model, step=num_updates)`` runs, so the first EMA

@@ -1,4 +1,5 @@
-"""The optimizers of SPEC §6: optax transforms composed to timm's / torch's update, and the LR.
+"""The optimizers of the recipes (docs/recipes.md): optax transforms composed to timm's / torch's
+update, and the LR.
 
 Parameters, gradients and updates are flat dicts {timm name: array}; every optimizer is one
 ``optax.chain`` of optax's own transforms:
@@ -59,8 +60,9 @@ def lr_schedule(peak_lr: float, warmup_steps: int, total_steps: int, warmup_init
 
     Evaluated in the canonical float dtype (f64 under ``jax_enable_x64``, as the exact checks
     run). optax's own warmup_cosine_decay_schedule evaluates in f32 even then, and two compiled
-    programs (replica, single device) round it differently by an ulp or two: measured as a
-    uniform 2e-7 relative difference of every f64 Adam-type update, 100x the tie's bound.
+    programs (replica, single device) round it differently by an ulp or two, which every f64
+    Adam-type update carries uniformly, far above the tie's bound (bench/RESULTS.md,
+    "measurements behind the design").
 
     Unlike timm's CosineLRScheduler (warmup_prefix=False), the cosine starts at the end of the
     warmup rather than running over [0, T] from s = 0, so lr(W) is exactly peak_lr.
@@ -113,7 +115,7 @@ def recipe_schedule(recipe) -> optax.Schedule:
 
 
 def for_recipe(recipe, params: dict) -> optax.GradientTransformation:
-    """A recipe's clip + optimizer at its schedule (`twinstep.recipe.Recipe`'s fields)."""
+    """A recipe's clip + optimizer at its schedule (`twinstep.recipes.Recipe`'s fields)."""
     # timm's Lamb clips the global norm at 1.0 by default (max_grad_norm=1.0): a LAMB recipe
     # clips with or without the `clip` token
     clip = recipe.clip or recipe.optimizer == "lamb"

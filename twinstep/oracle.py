@@ -6,8 +6,8 @@ parameters (replicated). Against it:
 
 - `check_vjp`: the hand VJP against ``jax.vjp`` of the same forward (norm-relative, TOL_VJP);
 - `check_fd`: a random directional derivative against central finite differences (TOL_FD);
-- `check_dp_facts`: SPEC §1's four facts under ``jax.shard_map`` on R devices —
-  (1) sharding: replica r's output and input cotangent are shard r of the global op's,
+- `check_dp_facts`: the four data-parallel facts (docs/tie.md) under ``jax.shard_map`` on R devices
+  — (1) sharding: replica r's output and input cotangent are shard r of the global op's,
   (2) collectives: the replica mean of each parameter-gradient node is 1/R of the global node,
   (3) homogeneity: VJP(s g) = s VJP(g),
   (4) the divisor (losses): a replica's cotangent is R x its shard of the global cotangent.

@@ -11,12 +11,11 @@ here are a step's mesh and ``shard_map`` specs chosen.
 At R = 1 a program is jit of the single-device function: `Replicas` emits no collective, so
 there is nothing to map. At R > 1 it is jit(shard_map) over the 1-D replica mesh: ``mesh=None``
 the first R devices (a runnable program), ``dp.abstract_mesh(R)`` no devices at all (the program
-`twinstep.render` exports) — the same code either way.
+`twinstep.renders` exports) — the same code either way.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import NamedTuple
 
@@ -44,7 +43,6 @@ def _stacked(tree):
     return jax.tree.map(lambda a: a[None], tree)
 
 
-@functools.lru_cache(maxsize=16)
 def grad_program(net: Net, replicas: int = 1, loss: str = "ce",
                  precision: str | Precision = "f32", control: str = "none",
                  collective: bool = True, per_replica: bool = False, fast_compile: bool = False,
@@ -52,8 +50,7 @@ def grad_program(net: Net, replicas: int = 1, loss: str = "ce",
     """The gradient step (params, buffers, x, t) -> step.StepOut on R replicas (x, t sharded by
     rows, everything else replicated). ``per_replica``: what each replica holds for itself —
     BN statistics, running buffers, and without the ``collective`` its own gradients — comes
-    back stacked along a leading replica axis [R, ...], to check that the replicas agree.
-    Cached: the tie and the tests ask for the same programs again."""
+    back stacked along a leading replica axis [R, ...], to check that the replicas agree."""
     ctx = context(replicas, precision, control, depthwise_path)
 
     def fn(p, b, x, t):
@@ -145,7 +142,7 @@ def artifact_program(exported: jax.export.Exported, manifest: dict, fast_compile
     """A render's deserialized step as train_program's step: (state, xs, ts, key) -> (state,
     {"loss", "lr"}), its arguments checked against the manifest's signature (UsageError, one
     line) and placed on the first R devices as the manifest shards them."""
-    from twinstep.render import state_names
+    from twinstep.renders import state_names
 
     r = manifest["replicas"]
     inputs = manifest["inputs"]

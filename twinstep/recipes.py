@@ -1,4 +1,4 @@
-"""Recipes: a training configuration as a value with a name (SPEC §6).
+"""Recipes: a training configuration as a value with a name (docs/recipes.md).
 
 A `Recipe` is a frozen dataclass. Its name follows the grammar
 
@@ -13,7 +13,7 @@ token to change otherwise: an explicit ``32`` (the default N), ``adamacc`` (Adam
 accumulation is ``acc`` alone), leading zeros (``dp064``) and trailing zeros in a decimal
 (``wd010``) are rejected. With that, name -> recipe -> name round-trips exactly.
 
-The hyper-parameters not in the name take the defaults below (the SPEC §6 table and timm); the
+The hyper-parameters not in the name take the defaults below (docs/recipes.md, and timm); the
 presets set them from the table.
 """
 
@@ -82,7 +82,7 @@ class Recipe:
     dropout_rate: float = 0.2  # used only with dropout
     bce_threshold: float | None = None  # used only with bce
     ema_decay: float = EMA_DECAY
-    ema_warmup: str = "none"  # none | timm | tf (SPEC §6)
+    ema_warmup: str = "none"  # none | timm | tf (docs/recipes.md)
     warmup_steps: int = 10
     total_steps: int = 100
     epochs: int | None = None
@@ -165,7 +165,7 @@ class Recipe:
 
     @property
     def effective_label_smoothing(self) -> float:
-        """The name's α, else 0.1 for CE and 0 for BCE (SPEC §4)."""
+        """The name's α, else 0.1 for CE and 0 for BCE (docs/sync-sites.md)."""
         if self.label_smoothing is not None:
             return self.label_smoothing
         return 0.0 if self.bce else losses.LABEL_SMOOTHING
@@ -331,15 +331,15 @@ def parse(name: str) -> Recipe:
 
 
 def _preset(epochs: int, global_batch: int, replicas: int = 8, **fields) -> Recipe:
-    """A table row (SPEC §6) as dp at N = global / R with k = 1 on R = 8, its schedule per
-    optimizer step: timm's drop-last epoch of ImageNet, 5 warmup epochs, cosine to the end."""
+    """A preset's row (docs/recipes.md) as dp at N = global / R with k = 1 on R = 8, its schedule
+    per optimizer step: timm's drop-last epoch of ImageNet, 5 warmup epochs, cosine to the end."""
     per_epoch = IMAGENET_TRAIN_IMAGES // global_batch
     return Recipe(dp=True, batch=global_batch // replicas, wx=True, epochs=epochs,
                   warmup_steps=5 * per_epoch, total_steps=epochs * per_epoch, **fields)
 
 
-# The accuracy anchors of SPEC §6. wx: timm excludes 1-D tensors from decay by default. No clip
-# (timm's LAMB clips at 1.0 internally), no EMA, f32: precision is the render's choice, not the
+# The accuracy anchors (docs/recipes.md). wx: timm excludes 1-D tensors from decay by default. No
+# clip (timm's LAMB clips at 1.0 internally), no EMA, f32: precision is the render's choice, not the
 # recipe's accuracy.
 PRESETS: dict[str, Recipe] = {
     "rsb-a1": _preset(600, 2048, net="resnet50", optimizer="lamb", lr=5e-3, weight_decay=0.01,

@@ -1,4 +1,4 @@
-"""Renders (SPEC §7): a recipe's whole train step for an R-device mesh, as one jax.export.
+"""Renders (docs/renders.md): a recipe's whole train step for an R-device mesh, as one jax.export.
 
 The step is `twinstep.step.train_step` — forward, loss, backward with its sync sites, the
 gradient collective, k accumulated micro-steps, clip, optimizer, EMA — jitted over a 1-D
@@ -37,8 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 import twinstep
-from twinstep import dp, hlo, program, runtime, step
-from twinstep import recipe as recipes
+from twinstep import dp, hlo, program, recipes, runtime, step
 from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS, SITES
 from twinstep.errors import UsageError
 from twinstep.nets import get_net, layers
@@ -46,8 +45,8 @@ from twinstep.ops import conv
 from twinstep.ops.precision import NAMES as PRECISIONS
 from twinstep.ops.precision import get_precision
 
-# SPEC §3's reference count per micro-step: 3 per BN (mean, variance, backward pair) + 1 per
-# parameter tensor. twinstep emits exactly these, plus one scalar for the reported loss.
+# The reference count per micro-step (docs/sync-sites.md): 3 per BN (mean, variance, backward pair)
+# + 1 per parameter tensor. twinstep emits exactly these, plus one scalar for the reported loss.
 BN_SITES = ("bn_forward_mean", "bn_forward_var", "bn_backward")
 SMALL_RES = 32  # `render --all`: the resolution of the committed manifests
 DEFAULT_CLASSES = 1000
@@ -70,7 +69,7 @@ class RenderConfig:
     """What to render; checks itself on construction (RenderError, one line) and resolves the
     recipe (``recipe``) and, when None, the resolution and precision from it."""
 
-    name: str  # a recipe name or preset (twinstep.recipe)
+    name: str  # a recipe name or preset (twinstep.recipes)
     replicas: int = 1
     res: int | None = None  # None: the recipe's train resolution
     classes: int = DEFAULT_CLASSES
@@ -187,7 +186,7 @@ def export_step(cfg: RenderConfig, single: bool = False) -> Export:
 
 def collective_summary(ops: list[dict], net) -> dict:
     """The manifest's collectives: by kind and by site (count, payload bytes, dtypes), and the
-    reference count of SPEC §3."""
+    reference count (docs/sync-sites.md)."""
     def summary(group):
         return {"count": len(group), "payload_bytes": sum(o["bytes"] for o in group),
                 "dtypes": sorted({d for o in group for _, d in o["operands"]})}
@@ -299,7 +298,7 @@ def write(r: Render, out: str) -> dict[str, str]:
 
 
 def all_names() -> list[str]:
-    """`render --all`: SPEC §6's reference names, then the presets."""
+    """`render --all`: the reference names (docs/recipes.md), then the presets."""
     return list(recipes.REFERENCE_NAMES) + list(recipes.PRESETS)
 
 

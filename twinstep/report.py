@@ -1,6 +1,6 @@
 """What the ties and the certification print: rich tables on stdout, the verdict last, and
 what a long command is doing now on stderr. The reports themselves (data, verdicts, JSON) live
-with the checks that make them (`twinstep.tie`, `twinstep.certify`)."""
+with the checks that make them (`twinstep.ties`, `twinstep.certify`)."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def render_table(rows: list, replicas: int, out: str, console=None) -> None:
     """One row per render written: rows of (manifest, seconds)."""
     console = console or Console()
     table = Table(title=f"renders for R = {replicas} in {out}",
-                  caption="collectives per micro-step (SPEC §3's reference: 3 per BN + 1 per "
+                  caption="collectives per micro-step (docs/sync-sites.md: 3 per BN + 1 per "
                           "parameter tensor; +1 for the loss)")
     for col in ("name", "N x k", "collectives (ref.)", "convs", "MiB", "s"):
         table.add_column(col, justify="left" if col == "name" else "right", overflow="fold")

@@ -6,10 +6,10 @@ replica step — BN synchronised at its sites (ops/batchnorm), the loss divided 
 batch, every parameter gradient all-reduced by its mean exactly once, and the reported loss the
 mean of the replicas' losses.
 
-`train_step` is the whole step of a recipe (SPEC §6): k micro-steps of `grad_step` (BN statistics
-per micro-batch, running statistics at momentum 1 - (1 - m)^(1/k) per micro-step, gradients
-averaged over k), then the clip and the optimizer (`twinstep.optim`), then the EMA of weights
-and running statistics (`twinstep.ema`). After the collective every replica holds the same
+`train_step` is the whole step of a recipe (docs/recipes.md): k micro-steps of `grad_step` (BN
+statistics per micro-batch, running statistics at momentum 1 - (1 - m)^(1/k) per micro-step,
+gradients averaged over k), then the clip and the optimizer (`twinstep.optim`), then the EMA of
+weights and running statistics (`twinstep.ema`). After the collective every replica holds the same
 gradient, so everything after it leaves every replica with the same state. Drop-path and dropout
 masks are drawn for the GLOBAL batch from the step's key and sharded with the batch.
 """

@@ -1,4 +1,4 @@
-"""The tie (SPEC §1): the R-replica step against the single-device step at R·N, parameter by
+"""The tie (docs/tie.md): the R-replica step against the single-device step at R·N, parameter by
 parameter, BN site by BN site.
 
 Both programs are `twinstep.step.grad_step`: once jitted on the whole batch with no replicas,
@@ -16,25 +16,24 @@ by 1.8e-12). bf16 — both programs run the bf16 policy's rounding points (every
 and result) with f64 around them and inside the conv accumulators (`tie_precision`): then
 every conv sees the same bf16 operands in both programs, everything but the conv weight
 gradients is held to the f64 bounds, and each conv weight gradient is checked elementwise
-against SPEC §5's boundary |(1/R) sum_r rnd(S_r) - rnd(S)| from the replicas' unrounded partial
-sums S_r (`bf16_bound`). With f32 there instead, reduction-order noise flips bf16 roundings and
-the net amplifies them to O(1) (measured: ResNet-50's single-device bf16 gradients move ~100%
-when the batch is reversed), which would hide the boundary. R must be a power of two for the
-boundary to be the only difference: a replica's loss cotangent is R times the single device's,
-and rnd(R y) = R rnd(y) only then.
+against the bf16 boundary (docs/tie.md) |(1/R) sum_r rnd(S_r) - rnd(S)| from the replicas'
+unrounded partial sums S_r (`bf16_bound`); why f64 around bf16 and not f32: see
+`twinstep.ops.precision`. R must be a power of two for the boundary to be the only
+difference: a replica's loss cotangent is R times the single device's, and rnd(R y) = R rnd(y)
+only then.
 """
 
 from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twinstep import dp, program, step, synthetic
-from twinstep import recipe as recipes
+from twinstep import dp, program, recipes, step, synthetic
 from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS, MASK_CONTROLS
 from twinstep.compare import grad_err, host, rel
 from twinstep.errors import UsageError
@@ -131,9 +130,8 @@ def _check_steps_config(cfg: TieConfig, recipe) -> None:
 
 
 def tie_precision(name: str) -> Precision:
-    """The policy both programs run under. bf16 keeps its rounding points (every conv operand and
-    result) with f64 around them: with f32 there, reduction-order noise flips bf16 roundings and
-    the net amplifies the flips far above SPEC §5's boundary (see twinstep.ops.precision)."""
+    """The policy both programs run under: bf16 keeps its rounding points with f64 around them
+    (why: `twinstep.ops.precision`)."""
     return Precision("bf16", base="f64") if name == "bf16" else get_precision(name)
 
 
@@ -155,20 +153,24 @@ def setup(cfg: TieConfig, net):
 
 def single_program(net, cfg: TieConfig, prec: Precision):
     """The single-device gradient step at the global batch R N."""
-    return program.grad_program(net, 1, cfg.loss, prec, fast_compile=cfg.fast_compile)
+    return _grad_program(net, 1, cfg.loss, prec, "none", True, False, cfg.fast_compile)
 
 
 def replica_program(net, cfg: TieConfig, prec: Precision, collective: bool = True):
     """The replica step; per-replica outputs (statistics, buffers, and without the collective the
     gradients) come back stacked along a leading replica axis, to check they agree."""
-    return program.grad_program(net, cfg.replicas, cfg.loss, prec, cfg.control, collective,
-                                per_replica=True, fast_compile=cfg.fast_compile)
+    return _grad_program(net, cfg.replicas, cfg.loss, prec, cfg.control, collective, True,
+                         cfg.fast_compile)
+
+
+# Ties ask for the same programs again (other seeds, shifts, the tests): one compile each.
+_grad_program = functools.lru_cache(maxsize=16)(program.grad_program)
 
 
 def bf16_bound(partials, single):
-    """SPEC §5's bound on a bf16 weight gradient, elementwise: |(1/R) sum_r rnd(S_r) - rnd(S)|,
-    S = (1/R) sum_r S_r, from the replicas' unrounded partials S_r [R, ...] (for R a power of
-    two this is (1/R)|sum_r rnd(S_r) - rnd(sum_r S_r)|) — plus the slack of two f64 sums of the
+    """The bound (docs/tie.md) on a bf16 weight gradient, elementwise: |(1/R) sum_r rnd(S_r) -
+    rnd(S)|, S = (1/R) sum_r S_r, from the replicas' unrounded partials S_r [R, ...] (for R a power
+    of two this is (1/R)|sum_r rnd(S_r) - rnd(sum_r S_r)|) — plus the slack of two f64 sums of the
     same terms in other orders: 1e-12 |S| everywhere, and one bf16 step where S lies within
     1e-12 of a bf16 rounding boundary (there the single device's own S may round the other
     way)."""
@@ -194,8 +196,8 @@ def noise_floor(single, params, buffers, x, t, ref, seed):
     """SENSITIVITY of each gradient, BN statistic and the loss of the single-device step: the
     larger of its relative change under (a) a rounding-sized relative perturbation of the input
     and (b) the same batch in reverse order — the same mathematics summed in other orders,
-    which is exactly the freedom the replica program takes (measured at 32², N = 2, R = 4 in
-    f32: (b) reaches 1e-2 in layer4, ten times (a)). Returns ({param: s}, {bn: s}, loss s)."""
+    which is exactly the freedom the replica program takes ((b) is usually the larger: bench/
+    RESULTS.md, "measurements behind the design"). Returns ({param: s}, {bn: s}, loss s)."""
     u = jax.random.normal(jax.random.key(seed + 1), x.shape, x.dtype)
     moved = [single(params, buffers, x * (1 + perturbation(x.dtype) * u), t),
              single(params, buffers, x[::-1], t[::-1])]

@@ -1,4 +1,5 @@
-"""BatchNorm: training mode split into its sync sites (SPEC §3), eval mode, running statistics.
+"""BatchNorm: training mode split into its sync sites (docs/sync-sites.md), eval mode, running
+statistics.
 
 Training mode normalises each channel over every row of the GLOBAL batch — on one device its
 N·H·W rows, on R replicas all R·N·H·W rows — with the biased variance, two-pass, eps = 1e-5.

@@ -1,4 +1,4 @@
-"""The two losses, each returning (mean loss, d logits) with the divisors of SPEC §4.
+"""The two losses, each returning (mean loss, d logits) with the divisors of docs/sync-sites.md.
 
 A replica calls them on its own shard and divides by ITS batch (N, or N·K for BCE); the single
 device divides by R·N (R·N·K). Targets are soft rows [N, K] (one-hot, mixup or cutmix); both

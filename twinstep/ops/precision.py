@@ -1,4 +1,4 @@
-"""The precision policy (SPEC §5).
+"""The precision policy (docs/precision.md).
 
 - ``f64``: every op in float64 — the exact checks (needs ``jax_enable_x64``).
 - ``f32``: every op in float32 — the default.
@@ -10,10 +10,10 @@
 ``Precision("bf16", base="f64")`` keeps the bf16 policy's rounding points (every conv operand and
 result) and runs everything else in float64. It exists for the tie: with f32 around the convs,
 reduction-order noise in the f32 BN statistics flips bf16 roundings between the two programs and
-the net amplifies the flips (measured on ResNet-50, 32²-64², batch 8-32: the single device's own
-bf16 gradients move by ~100% when the batch is reversed), which hides SPEC §5's boundary; with
-f64 around them (and f64 accumulation inside them) both programs feed every conv the same bf16
-operands, and what is left is the
+the net amplifies the flips to O(1) (bench/RESULTS.md, "measurements behind the design"), which
+hides the bf16 boundary
+(docs/tie.md); with f64 around them (and f64 accumulation inside them) both programs feed every
+conv the same bf16 operands, and what is left is the
 boundary itself.
 """
 
@@ -52,8 +52,8 @@ class Precision:
     @property
     def conv_accumulator(self):
         """None: XLA accumulates a bf16-typed convolution as the backend does (f32, in an order
-        that depends on the batch size: measured on XLA:CPU for strided convs, so that batch 2
-        and batch 8 round different elements to bf16). float64 under base="f64": exact products
+        that can depend on the batch size, so that two batch sizes round different elements to
+        bf16). float64 under base="f64": exact products
         and f64 sums of the same bf16 operands, then the same bf16 rounding point."""
         return jnp.float64 if self.name == "bf16" and self.base == "f64" else None
 
@@ -70,10 +70,11 @@ class Precision:
 
 def round_to(x, dtype):
     """``x.astype(dtype)``, except float64 -> bfloat16 rounds through float32. XLA:CPU's own
-    f64 -> bf16 conversion depends on the CPU: with AVX512-BF16 it rounds through f32 (measured:
-    1 + 2^-8 + 2^-30 -> 1.0, where a single rounding gives 1 + 2^-7), elsewhere it can round once.
+    f64 -> bf16 conversion depends on the CPU: with AVX512-BF16 it rounds through f32
+    (1 + 2^-8 + 2^-30 -> 1.0, where a single rounding gives 1 + 2^-7), elsewhere it can round
+    once.
     The two steps, each a correctly rounded conversion, give the same bits on every CPU — and
-    the same bits as the tie's bound computes (`twinstep.tie.bf16_bound`)."""
+    the same bits as the tie's bound computes (`twinstep.ties.bf16_bound`)."""
     if x.dtype == jnp.float64 and dtype == jnp.bfloat16:
         x = x.astype(jnp.float32)
     return x.astype(dtype)
