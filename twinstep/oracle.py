@@ -106,6 +106,15 @@ def conv_case(rng, n, h, c_in, c_out, k, stride, depthwise=False, path=None) -> 
     return Case(name, fwd, vjp, (x,), (), (w,))
 
 
+def _bn_case_vjp(bn_vjp):
+    """A BN VJP's (dx, d gamma, d beta) as a Case's (d batch, d params)."""
+    def vjp(res, dy):
+        dx, dg, db = bn_vjp(res, dy)
+        return (dx,), (dg, db)
+
+    return vjp
+
+
 def bn_train_case(rng, n, h, c) -> Case:
     x = _normal(rng, (n, h, h, c), 0.5)
     gamma, beta = _normal(rng, (c,), 1.0), _normal(rng, (c,))
@@ -114,11 +123,8 @@ def bn_train_case(rng, n, h, c) -> Case:
         y, res, _ = batchnorm.bn_train_forward(b[0], p[0], p[1], rep)
         return y, res
 
-    def vjp(res, dy):
-        dx, dg, db = batchnorm.bn_train_vjp(res, dy)
-        return (dx,), (dg, db)
-
-    return Case("batchnorm train", fwd, vjp, (x,), (), (gamma, beta))
+    return Case("batchnorm train", fwd, _bn_case_vjp(batchnorm.bn_train_vjp), (x,), (),
+                (gamma, beta))
 
 
 def bn_eval_case(rng, n, h, c) -> Case:
@@ -129,11 +135,8 @@ def bn_eval_case(rng, n, h, c) -> Case:
     def fwd(rep, b, m, p):
         return batchnorm.bn_eval_forward(b[0], p[0], p[1], rm, rv)
 
-    def vjp(res, dy):
-        dx, dg, db = batchnorm.bn_eval_vjp(res, dy)
-        return (dx,), (dg, db)
-
-    return Case("batchnorm eval", fwd, vjp, (x,), (), (gamma, beta))
+    return Case("batchnorm eval", fwd, _bn_case_vjp(batchnorm.bn_eval_vjp), (x,), (),
+                (gamma, beta))
 
 
 def relu_case(rng, n, h, c) -> Case:
