@@ -72,11 +72,11 @@ def test_a_four_replica_render_needs_one_device(example_f64, tmp_path):
     f64 step, and its three files are, byte for byte, the ones rendered here with 8 devices."""
     code = ("import jax\n"
             "assert jax.device_count() == 1, jax.devices()\n"
-            "from twinstep import render\n"
+            "from twinstep import renders\n"
             f"r = renders.render(renders.RenderConfig({EXAMPLE!r}, 4, precision='f64', res=32, "
             "classes=10))\n"
             "assert r.exported.nr_devices == 4\n"
-            f"render.write(r, {str(tmp_path)!r})\n")
+            f"renders.write(r, {str(tmp_path)!r})\n")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=600)
