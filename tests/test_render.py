@@ -9,6 +9,7 @@ compiled convolutions stay bf16 — bench/gpu_bf16_hlo.py checks that on a GPU m
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -323,7 +324,7 @@ def test_cli_render_usage_errors(tmp_path, example_f64, capsys):
     (tmp_path / "file").write_text("")  # --out is a file: a clean error, nothing left behind
     assert cli.main(["render", EXAMPLE, "--out", str(tmp_path / "file"), "--res", "32"]) == 2
     assert "twinstep render:" in capsys.readouterr().err
-    assert not list(tmp_path.glob("**/.render-*"))
+    assert not list(tmp_path.glob("**/.twinstep-*"))
 
 
 @pytest.mark.slow
@@ -352,3 +353,56 @@ def test_committed_manifests_are_current():
         c = m["collectives"]
         assert f"| `{name}` |" in readme and f"| {c['per_micro_step']} ({c['spec_reference']}) |" \
             in readme.split(f"| `{name}` |")[1].split("\n")[0], name
+
+
+@ON_EXAMPLE
+@pytest.mark.slow
+def test_an_artifact_is_trusted_only_whole(example_f64, tmp_path):
+    """Each way a render can be other than what its manifest says is refused at load, before
+    anything runs, in one line: a field against the name, the .mlir's hash, a missing file, a
+    corrupt program whose hash was made to match, a program for other devices; and
+    twinstep/artifact.py refuses the same sets (exit 2, one line)."""
+    _, paths = example_f64
+    script = os.path.join(os.path.dirname(renders.__file__), "artifact.py")
+
+    def copy(edit_manifest=None, edit_files=None):
+        folder = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        out = {s: str(folder / os.path.basename(p)) for s, p in paths.items()}
+        blobs = {s: open(p, "rb").read() for s, p in paths.items()}
+        if edit_files:
+            edit_files(blobs)
+        m = json.loads(blobs[".json"])
+        for s in (".mlir", ".jaxexport"):  # hashes of what is there, unless the edit says not
+            if blobs[s] is not None:
+                m["files"][os.path.basename(out[s])]["sha256"] = hashlib.sha256(
+                    blobs[s]).hexdigest()
+        if edit_manifest:
+            edit_manifest(m, blobs)
+        blobs[".json"] = json.dumps(m).encode()
+        for s, blob in blobs.items():
+            if blob is not None:
+                open(out[s], "wb").write(blob)
+        return out[".jaxexport"]
+
+    def stale_mlir(m, blobs):
+        m["files"][os.path.basename(paths[".mlir"])]["sha256"] = "0" * 64
+
+    cases = [
+        (copy(lambda m, b: m.update(batch=3)), "contradicts its name"),
+        (copy(lambda m, b: m.update(replicas="4")), "expected an int"),
+        (copy(lambda m, b: m.pop("inputs")), "no 'inputs'"),
+        (copy(stale_mlir), ".mlir: sha256 differs"),
+        (copy(edit_files=lambda b: b.update({".mlir": None})), "cannot read"),
+        (copy(edit_files=lambda b: b.update({".jaxexport": b"\0" * 64})), "deserialized"),
+        (copy(lambda m, b: m.update(replicas=2, global_batch=4)), "runs on 4 devices"),
+    ]
+    for path, says in cases:
+        with pytest.raises(renders.RenderError, match=re.escape(says)):
+            renders.load(path)
+    assert renders.load(copy())  # the control: an untouched copy loads
+    for path, _ in cases[3:6]:  # the runner needs no twinstep and refuses alike
+        p = subprocess.run([sys.executable, script, path, "--inputs", "x.npz", "--outputs",
+                            str(tmp_path / "o.npz")], capture_output=True, text=True)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert not (tmp_path / "o.npz").exists()

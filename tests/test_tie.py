@@ -97,7 +97,7 @@ GRADIENT_CONTROLS = sorted(set(CONTROLS) - {"none", *MASK_CONTROLS})
     keep={("resnet50", c) for c in GRADIENT_CONTROLS}))
 def test_every_control_breaks_the_tie(net, control):
     r = run(net=net, replicas=2, control=control)
-    assert not r.ok
+    assert r.status == "NOT tied"
     assert "NOT tied" in r.verdict()
     if control == "shard-gamma":  # only BN gammas break; the forward half is untouched
         failing = {p["name"] for p in r.parameters if not p["ok"]}
@@ -108,16 +108,22 @@ def test_every_control_breaks_the_tie(net, control):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("net", sorted(COUNTS))
-def test_f32_ties_within_its_noise_floor(net):
+def test_f32_ties_within_its_noise_floor_which_is_too_loose_to_conclude(net):
+    """f32 at the defaults: every tensor within max(1e-4, 10 x SENSITIVITY) — and that bound is
+    so loose (the single device's own f32 gradients move by up to O(1) under a reordered batch)
+    that the run is inconclusive, never reported as tied."""
     r = run(net=net, replicas=2, precision="f32")
-    assert_tied(r)
+    assert r.within and r.replicas_agree and r.status == "inconclusive", r.verdict()
     assert all(p["bound"] == max(1e-4, 10 * p["sensitivity"]) for p in r.parameters)
+    rows = [*r.parameters, *r.bn_sites, r.loss]
+    loose = sum(row["bound"] > ties.INCONCLUSIVE_BOUND for row in rows)
+    assert loose > 0 and f"; {loose} of {len(rows)} bounds exceed 0.001" in r.verdict()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("net", matrix(*[(n,) for n in sorted(COUNTS)], keep={("resnet50",)}))
 def test_f32_bound_still_sees_a_bug(net):
-    assert not run(net=net, replicas=2, precision="f32", control="shard-gamma").ok
+    assert run(net=net, replicas=2, precision="f32", control="shard-gamma").status == "NOT tied"
 
 
 @pytest.mark.slow
@@ -134,7 +140,7 @@ def test_bf16_ties_at_the_partial_sum_boundary(net):
     rest = [p for p in r.parameters if len(p["shape"]) != 4]
     assert all(p["rel_err"] <= 1e-10 for p in rest)
     if net == "resnet50":  # the bf16 bound still sees a bug (MNv4's controls run in f64)
-        assert not run(net=net, precision="bf16", control="unsynced").ok
+        assert run(net=net, precision="bf16", control="unsynced").status == "NOT tied"
 
 
 @pytest.mark.slow

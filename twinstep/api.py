@@ -155,9 +155,12 @@ def render(name: str, replicas: int = 1, out: str | None = None, **config):
     ``config``: the fields of `twinstep.renders.RenderConfig` (res, classes, precision,
     platform, control). With ``out`` the three files are written there. Returns a
     `twinstep.renders.Render` (``.exported``, ``.mlir``, ``.manifest``)."""
-    from twinstep import renders
+    from twinstep import files, renders
 
-    made = renders.render(renders.RenderConfig(name, replicas, **config))
+    cfg = renders.RenderConfig(name, replicas, **config)
+    if out is not None:
+        files.check_writable_folder(out, "out")
+    made = renders.render(cfg)
     if out is not None:
         try:
             renders.write(made, out)

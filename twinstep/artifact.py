@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 
 # XLA:CPU at -O0 with the loop emitters: the same numerics, a several times quicker compile and
 # a slower run (twinstep's dp.FAST_COMPILE, repeated here because this file imports no twinstep;
@@ -24,26 +25,44 @@ import sys
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("artifact", help="NAME.jaxexport (NAME.json must lie beside it)")
-    p.add_argument("--inputs", required=True, help=".npz with one array per manifest input")
-    p.add_argument("--outputs", required=True, help=".npz to write the outputs to")
-    p.add_argument("--fast-compile", action="store_true",
-                   help="compile at -O0: the same numerics, a quicker compile, a slower run")
-    args = p.parse_args(argv)
-    if not args.artifact.endswith(".jaxexport"):
-        p.error(f"{args.artifact}: an artifact is a NAME.jaxexport file")
+class Refused(Exception):
+    """Bad usage or input: one line on stderr, exit 2."""
+
+
+def _read(path: str) -> bytes:
     try:
-        with open(args.artifact[:-len(".jaxexport")] + ".json") as f:
-            manifest = json.load(f)
-        with open(args.artifact, "rb") as f:
-            blob = f.read()
-    except (OSError, ValueError) as e:
-        p.error(f"cannot read the artifact and its manifest: {e}")
-    digest = manifest["files"].get(os.path.basename(args.artifact), {}).get("sha256")
-    if hashlib.sha256(blob).hexdigest() != digest:
-        p.error(f"{args.artifact}: sha256 differs from its manifest's (a different render?)")
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise Refused(f"cannot read {path}: {e.strerror}") from None
+
+
+def load_checked(path: str) -> tuple[dict, bytes]:
+    """(manifest, serialized program): NAME.mlir and NAME.jaxexport must have the sha256 their
+    manifest NAME.json holds (twinstep writes the manifest last), or the set is refused."""
+    if not path.endswith(".jaxexport"):
+        raise Refused(f"{path}: an artifact is a NAME.jaxexport file")
+    stem = path[:-len(".jaxexport")]
+    try:
+        manifest = json.loads(_read(stem + ".json"))
+        files, replicas = manifest["files"], manifest["mesh"]["size"]
+        inputs, outputs = manifest["inputs"], manifest["outputs"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise Refused(f"{stem}.json is not a render manifest ({type(e).__name__}: {e})") from None
+    if not (isinstance(replicas, int) and replicas >= 1 and isinstance(inputs, list)
+            and isinstance(outputs, list)):
+        raise Refused(f"{stem}.json is not a render manifest (mesh, inputs, outputs)")
+    blobs = {s: _read(stem + s) for s in (".mlir", ".jaxexport")}
+    for suffix, blob in blobs.items():
+        entry = files.get(os.path.basename(stem + suffix)) if isinstance(files, dict) else None
+        if not isinstance(entry, dict) or hashlib.sha256(blob).hexdigest() != entry.get("sha256"):
+            raise Refused(f"{stem + suffix}: sha256 differs from its manifest's (a different or "
+                          f"partly written render?)")
+    return manifest, blobs[".jaxexport"]
+
+
+def run(args) -> int:
+    manifest, blob = load_checked(args.artifact)
     r = manifest["mesh"]["size"]
     if "jax" not in sys.modules:  # R virtual CPU devices (ignored by GPU backends)
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -54,24 +73,68 @@ def main(argv=None) -> int:
 
     dtypes = {i["dtype"] for i in manifest["inputs"] + manifest["outputs"]}
     jax.config.update("jax_enable_x64", "float64" in dtypes)
-    exported = jax.export.deserialize(bytearray(blob))
-    inputs = np.load(args.inputs)
+    try:
+        exported = jax.export.deserialize(bytearray(blob))
+    except Exception as e:  # noqa: BLE001 - any failure to deserialize is a bad file
+        raise Refused(f"{args.artifact} cannot be deserialized ({type(e).__name__})") from None
+    signature = [(list(a.shape), str(a.dtype)) for a in exported.in_avals]
+    if exported.nr_devices != r or signature != [(i["shape"], i["dtype"])
+                                                 for i in manifest["inputs"]]:
+        raise Refused(f"{args.artifact}: its devices or inputs differ from its manifest's")
+    try:
+        inputs = np.load(args.inputs)
+    except (OSError, ValueError) as e:
+        raise Refused(f"cannot read {args.inputs}: {e}") from None
     missing = [i["name"] for i in manifest["inputs"] if i["name"] not in inputs]
     if missing:
-        p.error(f"{args.inputs} lacks inputs {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+        raise Refused(f"{args.inputs} lacks inputs {missing[:3]}"
+                      f"{' ...' if len(missing) > 3 else ''}")
     for i in manifest["inputs"]:  # no silent casts or broadcasts
         a = inputs[i["name"]]
         if list(a.shape) != i["shape"] or str(a.dtype) != i["dtype"]:
-            p.error(f"input {i['name']} is {a.dtype}{list(a.shape)}; the artifact takes "
-                    f"{i['dtype']}{i['shape']}")
+            raise Refused(f"input {i['name']} is {a.dtype}{list(a.shape)}; the artifact takes "
+                          f"{i['dtype']}{i['shape']}")
+    if len(jax.devices()) < r:
+        raise Refused(f"the artifact runs on {r} devices; this process has {len(jax.devices())}")
     mesh = Mesh(np.array(jax.devices()[:r]), (manifest["mesh"]["axis"],))
     placed = [jax.device_put(inputs[i["name"]], NamedSharding(mesh, PartitionSpec(*i["spec"])))
               for i in manifest["inputs"]]
     outputs = jax.jit(exported.call,
                       compiler_options=FAST_COMPILE if args.fast_compile else None)(*placed)
-    np.savez(args.outputs, **{o["name"]: np.asarray(v)
-                              for o, v in zip(manifest["outputs"], outputs, strict=True)})
+    folder = os.path.dirname(os.path.abspath(args.outputs))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".artifact-", suffix=".npz")
+    try:  # whole or absent: written aside, then renamed into place
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **{o["name"]: np.asarray(v)
+                           for o, v in zip(manifest["outputs"], outputs, strict=True)})
+        os.replace(tmp, args.outputs)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return 0
+
+
+def main(argv=None) -> int:
+    """Exit 0 written, 2 bad usage or input, 3 an internal error, 130 interrupted; errors are one
+    line on stderr."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("artifact", help="NAME.jaxexport (NAME.json and NAME.mlir beside it)")
+    p.add_argument("--inputs", required=True, help=".npz with one array per manifest input")
+    p.add_argument("--outputs", required=True, help=".npz to write the outputs to")
+    p.add_argument("--fast-compile", action="store_true",
+                   help="compile at -O0: the same numerics, a quicker compile, a slower run")
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except Refused as e:
+        print(f"artifact.py: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("artifact.py: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the verdict is the exit status, the cause one line
+        print(f"artifact.py: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

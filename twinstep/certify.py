@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 
 from twinstep import oracle
+from twinstep.errors import UsageError
 
 N = 2  # examples per replica in the data-parallel facts
 
@@ -33,6 +34,10 @@ class Report:
 
 
 def run(replica_counts=(2, 4), seed: int = 0) -> Report:
+    if not any(count >= 2 for count in replica_counts):
+        raise UsageError("certification runs its negative controls at R >= 2, and a control that "
+                         "cannot fire is not a pass: give a replica count >= 2 (e.g. "
+                         "--replicas 1 2)")
     rng = np.random.default_rng(seed)
     checks = []
     for case in oracle.all_cases(rng):

@@ -25,19 +25,37 @@ from twinstep.errors import UsageError
 # ----------------------------------------------------------------------------- shared options
 
 
-def _positive(text: str) -> int:
-    try:
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line ("twinstep tie: --res: not an integer: 'x'"), exit 2:
+    the usage is one --help away."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+SEEDS = 2**31  # seeds are 0 <= seed < 2^31 (NumPy's and JAX's generators take them alike)
+
+
+def _int_in(low: int, high: int | None = None):
+    """An argparse type: an ASCII integer in [low, high)."""
+    def parse(text: str) -> int:
+        if not (text.isascii() and text.lstrip("-").isdigit() and len(text) <= 18):
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
         value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+        if value < low or (high is not None and value >= high):
+            raise argparse.ArgumentTypeError(
+                f"must be >= {low}" + (f" and < {high}" if high is not None else "")
+                + f", got {value}")
+        return value
+
+    return parse
 
 
-def _count(p, flag: str, default, help: str, metavar: str | None = None, **kw) -> None:
-    """An integer option that must be >= 1 (--replicas, --batch, --res, --classes, --steps)."""
-    p.add_argument(flag, type=_positive, default=default, metavar=metavar, help=help, **kw)
+def _count(p, flag: str, default, help: str, metavar: str | None = None, least: int = 1,
+           **kw) -> None:
+    """An integer option that must be >= ``least`` (--replicas, --batch, --res, --steps: 1;
+    --classes: 2)."""
+    p.add_argument(flag, type=_int_in(least), default=default, metavar=metavar, help=help, **kw)
 
 
 def _json_out(p, help: str = "also write the report as JSON") -> None:
@@ -49,7 +67,8 @@ def _json_print(p) -> None:
 
 
 def _seed(p) -> None:
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=_int_in(0, SEEDS), default=0,
+                   help="random seed, 0 <= seed < 2^31 (default 0)")
 
 
 def _defaults(config_class) -> dict:
@@ -58,9 +77,21 @@ def _defaults(config_class) -> dict:
 
 
 def _write_json(path: str | None, data: dict) -> None:
+    """The report at ``path``, whole or not at all."""
     if path:
-        with open(path, "w") as f:
-            json.dump(data, f, indent=1)
+        from twinstep import files
+
+        files.publish({path: json.dumps(data, indent=1).encode()})
+
+
+HELP = {  # each command's line in 'twinstep --help'
+    "certify": "certify the op library's hand-written VJPs (float64)",
+    "info": "tensor, scalar and BN counts and forward GMACs of a net",
+    "recipe": "decode a recipe name (or a preset) and print every field",
+    "parity": "the net against timm + torch autograd, same random weights",
+    "tie": "the R-replica sync-BN step against the single-device step at R*N",
+    "render": "export a recipe's whole train step to StableHLO (jax.export)",
+}
 
 
 # ---------------------------------------------------------------------------------- certify
@@ -68,7 +99,7 @@ def _write_json(path: str | None, data: dict) -> None:
 
 def add_certify(sub) -> None:
     c = sub.add_parser(
-        "certify", help="certify the op library's hand-written VJPs (float64)",
+        "certify", help=HELP["certify"],
         description="Check every op's hand-written VJP against jax.vjp (<= 1e-12) and central "
                     "finite differences (<= 1e-6); check the four data-parallel facts "
                     "(sharding, collectives, homogeneity, divisor; docs/tie.md) under "
@@ -101,13 +132,14 @@ def run_certify(args, parser) -> int:
 def add_info(sub) -> None:
     from twinstep.nets import NETS
 
-    i = sub.add_parser("info", help="tensor, scalar and BN counts and forward GMACs of a net",
-                       description="Counts of a network's parameters (timm's names and shapes), "
-                                   "its BatchNorm layers and 1-D tensors, and its forward "
-                                   "multiply-accumulates at one resolution (batch 1).")
+    i = sub.add_parser(
+        "info", help=HELP["info"],
+        description="Counts of a network's parameters (timm's names and shapes), its BatchNorm "
+                    "layers and 1-D tensors, and its forward multiply-accumulates at one "
+                    "resolution (batch 1).")
     i.add_argument("net", choices=sorted(NETS))
     _count(i, "--res", 224, "input resolution (default 224)")
-    _count(i, "--classes", 1000, "classes K (default 1000)")
+    _count(i, "--classes", 1000, "classes K (default 1000)", least=2)
     _json_print(i)
 
 
@@ -142,7 +174,7 @@ def add_recipe(sub) -> None:
     from twinstep import recipes
 
     r = sub.add_parser(
-        "recipe", help="decode a recipe name (or a preset) and print every field",
+        "recipe", help=HELP["recipe"],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Decode a recipe name into the training configuration it stands for.\n\n"
                     f"Grammar: {recipes.GRAMMAR}\n"
@@ -206,7 +238,7 @@ def add_parity(sub) -> None:
     from twinstep.nets import NETS
 
     q = sub.add_parser(
-        "parity", help="the net against timm + torch autograd, same random weights",
+        "parity", help=HELP["parity"],
         description="Build timm's model with twinstep's random weights (BN gamma, beta and "
                     "running statistics randomised too), run one train step and one eval "
                     "forward in both, and print the max error of the logits, the worst "
@@ -219,7 +251,7 @@ def add_parity(sub) -> None:
     _count(q, "--batch", 2, "batch size (default 2)")
     q.add_argument("--precision", choices=["f64", "f32"], default="f64")
     q.add_argument("--loss", choices=["ce", "bce"], default="ce")
-    _count(q, "--classes", 10, "classes K (default 10)")
+    _count(q, "--classes", 10, "classes K (default 10)", least=2)
     _seed(q)
 
 
@@ -253,7 +285,7 @@ def add_tie(sub) -> None:
 
     default = _defaults(TieConfig)
     t = sub.add_parser(
-        "tie", help="the R-replica sync-BN step against the single-device step at R*N",
+        "tie", help=HELP["tie"],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run the data-parallel step (R replicas of batch N, every BatchNorm "
                     "synchronised, every gradient all-reduced by its mean) and the "
@@ -283,7 +315,7 @@ def add_tie(sub) -> None:
                    help="default ce, or the recipe's loss")
     t.add_argument("--precision", choices=PRECISIONS, default=None,
                    help=f"default {default['precision']}")
-    t.add_argument("--seed", type=int, default=0)
+    _seed(t)
     t.add_argument("--shift", action=argparse.BooleanOptionalAction, default=True,
                    help="offset replica r's inputs by r, so Chan's correction is O(1) "
                         "(default on)")
@@ -319,7 +351,7 @@ _TIE_FIELDS = ("replicas", "batch", "res", "classes", "loss", "precision", "seed
 def run_tie(args, parser) -> int:
     """Tie the R-replica step (one gradient step, whole recipe steps, or a render's artifact)
     against the single-device step at R N."""
-    from twinstep import api, report
+    from twinstep import api, report, ties
 
     if args.artifact is not None:
         if not args.artifact.endswith(".jaxexport"):
@@ -352,7 +384,7 @@ def run_tie(args, parser) -> int:
         sha = api.read_manifest(args.artifact)["files"][os.path.basename(args.artifact)]
         print(f"artifact: {args.artifact} (sha256 {sha['sha256'][:16]}...)")
     _write_json(args.json, result.to_json())
-    return 0 if result.ok else 1
+    return ties.EXIT_CODES[result.status]
 
 
 # ----------------------------------------------------------------------------------- render
@@ -363,7 +395,7 @@ def add_render(sub) -> None:
     from twinstep.collectives import CONTROLS
 
     d = sub.add_parser(
-        "render", help="export a recipe's whole train step to StableHLO (jax.export)",
+        "render", help=HELP["render"],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Export a recipe's whole train step — forward, loss, backward with its "
                     "sync-BN sites, the gradient collective, k accumulated micro-steps, clip, "
@@ -413,6 +445,9 @@ def run_render(args, parser) -> int:
 
     if args.all == (args.name is not None):
         parser.error("give a recipe NAME or --all (not both)")
+    from twinstep import files
+
+    files.check_writable_folder(args.out, "--out")
     names = renders.all_names() if args.all else [args.name]
     res = args.res or (renders.SMALL_RES if args.all else None)
     rows = []
@@ -437,26 +472,46 @@ COMMANDS = {"certify": (add_certify, run_certify), "info": (add_info, run_info),
             "tie": (add_tie, run_tie), "render": (add_render, run_render)}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser(argv=None) -> argparse.ArgumentParser:
+    """The parser. Only the command in ``argv`` gets its options (listing them imports what they
+    name: nets, controls, JAX); the others are a name and a line, so that --help, --version and
+    'twinstep recipe' answer without starting JAX."""
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    p = _Parser(
         prog="twinstep",
         description="Data-parallel ResNet-50 and MobileNetV4-Conv-M with synchronised BatchNorm, "
                     "checked parameter by parameter against the single-device step at R*N.",
-        epilog="Run 'twinstep COMMAND --help' for a command's options.")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run 'twinstep COMMAND --help' for a command's options.\n\n"
+               "Exit status: 0 success (tied, certified, written); 1 a check failed (not tied, "
+               "not\ncertified); 2 bad usage or input; 3 an internal or environment error; 4 "
+               "inconclusive (a\ntie within its bounds, but a bound too loose to see a 1e-3 "
+               "bug); 130 interrupted.\nErrors are one line on stderr; --debug shows the "
+               "traceback.")
     p.add_argument("--version", action="version", version=f"twinstep {__version__}")
+    p.add_argument("--debug", action="store_true",
+                   help="show the traceback of an internal error (also TWINSTEP_DEBUG=1)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for add, _ in COMMANDS.values():
-        add(sub)
+    for name, (add, _) in COMMANDS.items():
+        if name == chosen:
+            add(sub)
+        else:
+            sub.add_parser(name, help=HELP[name])
     return p
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     try:
+        if isinstance(getattr(args, "json", None), str):
+            from twinstep import files
+
+            files.check_writable_file(args.json, "--json")
         return COMMANDS[args.command][1](args, parser)
     except UsageError as e:
         print(f"twinstep {args.command}: {e}", file=sys.stderr)
@@ -465,12 +520,41 @@ def main(argv=None) -> int:
         print(f"twinstep {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the verdict is the exit status, the cause one line
-        if os.environ.get("TWINSTEP_DEBUG"):
+        if args.debug or os.environ.get("TWINSTEP_DEBUG"):
             raise
         print(f"twinstep {args.command}: internal error: {type(e).__name__}: {e} "
               f"(TWINSTEP_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 3
 
 
+def _on_interrupt(signum, frame) -> None:
+    """Ctrl-C in the executable: one line and exit 130 at once (os._exit: no teardown, which can
+    crash while XLA's threads run, and no KeyboardInterrupt for a callback to swallow) — unless
+    files are being published, which then finish first (`twinstep.files.publish`)."""
+    from twinstep import files
+
+    if files.publishing:
+        files.interrupted = True
+        return
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    sys.stdout.flush()
+    print(f"twinstep{' ' + command if command in COMMANDS else ''}: interrupted", file=sys.stderr,
+          flush=True)
+    os._exit(130)
+
+
+def entry() -> None:
+    """The ``twinstep`` executable: main's status as the process's, Ctrl-C as `_on_interrupt`."""
+    import signal
+
+    signal.signal(signal.SIGINT, _on_interrupt)
+    status = main()
+    if status == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -20,8 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-DECAY = 0.9999
-WARMUPS = ("none", "timm", "tf")
+from twinstep.defaults import EMA_DECAY as DECAY
+from twinstep.defaults import EMA_WARMUPS as WARMUPS
 
 
 def ema_weight(step, decay: float = DECAY, warmup: str = "none", gamma: float = 1.0,

@@ -23,9 +23,7 @@ import dataclasses
 import re
 from decimal import Decimal
 
-from twinstep.ema import DECAY as EMA_DECAY
-from twinstep.ema import WARMUPS as EMA_WARMUPS
-from twinstep.ops import loss as losses
+from twinstep.defaults import EMA_DECAY, EMA_WARMUPS, LABEL_SMOOTHING
 
 NET_RES = {"resnet50": 224, "mnv4": 256}  # the net's default train resolution
 DATASETS = {"in": "ImageNet-1k"}
@@ -168,7 +166,7 @@ class Recipe:
         """The name's α, else 0.1 for CE and 0 for BCE (docs/sync-sites.md)."""
         if self.label_smoothing is not None:
             return self.label_smoothing
-        return 0.0 if self.bce else losses.LABEL_SMOOTHING
+        return 0.0 if self.bce else LABEL_SMOOTHING
 
     def effective_batch(self, replicas: int) -> int:
         """Examples per optimizer step: R·N·k."""
@@ -251,7 +249,14 @@ def _tokenize(name: str, tail: str, after: str) -> dict[str, re.Match]:
     return found
 
 
+MAX_NAME = 1024  # characters in a recipe name (ls and wd spell a float's decimal digits)
+MAX_DIGITS = 5  # integers in a name (res, k, N) below 100000
+
+
 def _read_int(name: str, token: str, digits: str) -> int:
+    if len(digits) > MAX_DIGITS:
+        raise RecipeError(f"bad recipe name {name!r}: token {token!r} is too large "
+                          f"(at most {MAX_DIGITS} digits)")
     if str(int(digits)) != digits:
         raise RecipeError(f"bad recipe name {name!r}: token {token!r} has a leading zero")
     return int(digits)
@@ -263,6 +268,8 @@ def _parse_grammar(name: str) -> Recipe:
 
     if not name:
         fail(f"empty; expected {GRAMMAR}")
+    if len(name) > MAX_NAME or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        fail(f"a name is at most {MAX_NAME} ASCII letters, digits, '_', '-' and '.'")
     head, sep, tail = name.partition("_")
     net = next((n for n in NET_RES if head.startswith(n)), None)
     if net is None:

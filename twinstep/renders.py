@@ -30,14 +30,13 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 import twinstep
-from twinstep import dp, hlo, program, recipes, runtime, step
+from twinstep import dp, files, hlo, program, recipes, runtime, step
 from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS, SITES
 from twinstep.errors import UsageError
 from twinstep.nets import get_net, layers
@@ -279,21 +278,10 @@ def write(r: Render, out: str) -> dict[str, str]:
                                                          "sha256": hashlib.sha256(b).hexdigest()}
                            for s, b in blobs.items()}
     blobs[".json"] = dump_manifest(r.manifest).encode()
-    umask = os.umask(0)
-    os.umask(umask)
-    temps = {}
-    try:
-        for suffix, blob in blobs.items():
-            fd, temps[suffix] = tempfile.mkstemp(dir=out, prefix=".render-")
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-            os.chmod(temps[suffix], 0o666 & ~umask)  # mkstemp's 0600 -> what open() makes
-        for suffix, tmp in temps.items():
-            os.replace(tmp, stem + suffix)
-    finally:
-        for tmp in temps.values():
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    # the manifest last: it holds both hashes, so an interrupted or concurrent publish leaves a
+    # set that `load` refuses, never a mixed one that loads
+    files.publish({stem + suffix: blob for suffix, blob in blobs.items()},
+                  lock=os.path.join(out, f".{r.config.name}.lock"))
     return {suffix: stem + suffix for suffix in blobs}
 
 
@@ -305,22 +293,89 @@ def all_names() -> list[str]:
 # ------------------------------------------------------------------------- running an artifact
 
 
+def check_manifest(manifest, where: str) -> recipes.Recipe:
+    """A manifest's schema (keys, types, ranges) and its fields against its name's recipe
+    (RenderError, one line); returns the recipe."""
+    if not isinstance(manifest, dict):
+        raise RenderError(f"{where} is not a render manifest")
+    missing = [k for k in MANIFEST_KEYS if k not in manifest]
+    if missing:
+        raise RenderError(f"{where} is not a render manifest (no {missing[0]!r})")
+    for key, low in (("replicas", 1), ("batch", 1), ("global_batch", 1), ("accum", 1),
+                     ("res", 1), ("classes", 2)):
+        value = manifest[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise RenderError(f"{where}: {key} = {value!r}; expected an int >= {low}")
+    for key, allowed in (("precision", PRECISIONS), ("platform", PLATFORMS),
+                         ("control", tuple(CONTROLS))):
+        if manifest[key] not in allowed:
+            raise RenderError(f"{where}: {key} = {manifest[key]!r}; expected one of {allowed}")
+    try:
+        recipe = recipes.parse(manifest["name"])
+    except recipes.RecipeError as e:
+        raise RenderError(f"{where}: {e}") from None
+    fields = {"recipe": recipe.name, "net": recipe.net, "batch": recipe.batch,
+              "accum": recipe.accum, "global_batch": manifest["replicas"] * recipe.batch}
+    wrong = [k for k, v in fields.items() if manifest[k] != v]
+    if wrong:
+        raise RenderError(f"{where}: {wrong[0]} = {manifest[wrong[0]]!r} contradicts its name "
+                          f"{manifest['name']!r} ({fields[wrong[0]]!r})")
+    for key in ("inputs", "outputs"):
+        rows = manifest[key]
+        if not isinstance(rows, list) or not all(
+                isinstance(r, dict) and {"name", "shape", "dtype", "spec"} <= set(r) for r in rows):
+            raise RenderError(f"{where}: {key} is not a list of name/shape/dtype/spec rows")
+    return recipe
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise RenderError(f"cannot read {path}: {e.strerror}") from None
+
+
 def load(path: str) -> tuple[jax.export.Exported, dict]:
-    """(Exported, manifest) of NAME.jaxexport and the NAME.json beside it."""
+    """(Exported, manifest) of NAME.jaxexport, trusted only when the set is whole: the manifest
+    NAME.json beside it passes `check_manifest`, NAME.mlir and NAME.jaxexport have the sha256
+    it holds, and the deserialized program's devices, platform and signature are the ones it
+    states — all before anything runs (RenderError, one line)."""
     if not path.endswith(".jaxexport"):
         raise RenderError(f"{path}: an artifact is a NAME.jaxexport file")
-    manifest_path = path[:-len(".jaxexport")] + ".json"
-    if not os.path.exists(manifest_path):
-        raise RenderError(f"{path}: its manifest {manifest_path} is missing")
-    with open(path, "rb") as f:
-        blob = f.read()
+    stem = path[:-len(".jaxexport")]
     try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-        digest = manifest["files"][os.path.basename(path)]["sha256"]
-    except (ValueError, KeyError) as e:
-        raise RenderError(f"{manifest_path} is not the manifest of {os.path.basename(path)} "
-                          f"(renamed? {type(e).__name__}: {e})") from None
-    if hashlib.sha256(blob).hexdigest() != digest:
-        raise RenderError(f"{path}: sha256 differs from its manifest's (a different render?)")
-    return jax.export.deserialize(bytearray(blob)), manifest
+        manifest = json.loads(_read(stem + ".json"))
+    except ValueError as e:
+        raise RenderError(f"{stem}.json is not JSON: {e}") from None
+    check_manifest(manifest, stem + ".json")
+    blobs = {suffix: _read(stem + suffix) for suffix in (".mlir", ".jaxexport")}
+    for suffix, blob in blobs.items():
+        entry = manifest["files"].get(os.path.basename(stem + suffix)) if isinstance(
+            manifest["files"], dict) else None
+        if not isinstance(entry, dict) or hashlib.sha256(blob).hexdigest() != entry.get("sha256"):
+            raise RenderError(f"{stem + suffix}: sha256 differs from its manifest's (a different "
+                              f"or partly written render?)")
+    try:
+        exported = jax.export.deserialize(bytearray(blobs[".jaxexport"]))
+    except Exception as e:  # noqa: BLE001 - any failure to deserialize is a bad file
+        raise RenderError(f"{path} cannot be deserialized ({type(e).__name__}): a corrupt "
+                          f"render?") from None
+    _check_signature(exported, manifest, path)
+    return exported, manifest
+
+
+def _check_signature(exported, manifest: dict, path: str) -> None:
+    """The deserialized program against its manifest: device count, platform, every input's
+    and output's shape and dtype."""
+    if exported.nr_devices != manifest["replicas"]:
+        raise RenderError(f"{path} runs on {exported.nr_devices} devices; its manifest says "
+                          f"{manifest['replicas']}")
+    if tuple(exported.platforms) != (manifest["platform"],):
+        raise RenderError(f"{path} was lowered for {', '.join(exported.platforms)}; its manifest "
+                          f"says {manifest['platform']}")
+    for key, avals in (("inputs", exported.in_avals), ("outputs", exported.out_avals)):
+        have = [(list(a.shape), str(a.dtype)) for a in avals]
+        want = [(r["shape"], r["dtype"]) for r in manifest[key]]
+        if have != want:
+            raise RenderError(f"{path}: its {key} differ from its manifest's")

@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+COLOURS = {"tied": "green", "NOT tied": "red", "inconclusive": "yellow"}  # a tie's status
+
 
 def mark(ok: bool) -> str:
     return "[green]ok[/]" if ok else "[red]FAIL[/]"
@@ -67,8 +69,7 @@ def tie_report(report, show_all: bool = False, seconds: float | None = None,
                   f"{'agree' if report.replicas_agree else '[red]DISAGREE[/]'} on statistics "
                   f"and buffers")
     took = f" ({seconds:.0f} s)" if seconds is not None else ""
-    colour = "green" if report.ok else "red"
-    console.print(f"[{colour}]{report.verdict()}[/]{took}")
+    console.print(f"[{COLOURS[report.status]}]{report.verdict()}[/]{took}")
 
 
 def steps_report(report, show_all: bool = False, seconds=None, console=None):
@@ -93,7 +94,7 @@ def steps_report(report, show_all: bool = False, seconds=None, console=None):
         console.print(f"loss: replicas {lo['replica']:.12g}, single {lo['single']:.12g} "
                       f"(rel err {lo['rel_err']:.1e})")
     took = f" ({seconds:.0f} s)" if seconds is not None else ""
-    console.print(f"[{'green' if report.ok else 'red'}]{report.verdict()}[/]{took}")
+    console.print(f"[{COLOURS[report.status]}]{report.verdict()}[/]{took}")
 
 
 def parity_report(r, res: int, batch: int, classes: int, console=None) -> None:

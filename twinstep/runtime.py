@@ -6,6 +6,8 @@ import contextlib
 
 import jax
 
+from twinstep.errors import UsageError
+
 
 @contextlib.contextmanager
 def jax_settings(**updates):
@@ -19,3 +21,24 @@ def jax_settings(**updates):
     finally:
         for name, value in before.items():
             jax.config.update(name, value)
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give a process (Linux's MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(need: int, advice: str) -> None:
+    """Refuse, before compiling, a run whose lower bound ``need`` (bytes) exceeds what is
+    available (UsageError, one line with both numbers and ``advice``)."""
+    have = available_memory()
+    if have is not None and need > have:
+        raise UsageError(f"this run needs at least {need / 2**30:.1f} GiB and "
+                         f"{have / 2**30:.1f} GiB is available: {advice}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-LABEL_SMOOTHING = 0.1
+from twinstep.defaults import LABEL_SMOOTHING
 
 
 def smooth_targets(t, alpha: float):

@@ -1,0 +1,177 @@
+"""Every verdict means what it says: a control that cannot fire is refused, a tie too loose to
+see a small bug says "inconclusive" (exit 4), a crash is exit 3 and not a failed check, an
+interrupt is exit 130 — and bad input of every kind is one line on stderr, exit 2, before any
+work and with no file left behind (the fuzz below)."""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import twinstep
+from twinstep import api, cli, ties
+
+
+def run_cli(argv, capsys) -> tuple[int, str]:
+    """(exit status, stderr) of the CLI in this process; argparse's errors exit via SystemExit."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- checks that cannot fire
+
+
+def test_a_control_that_cannot_fire_is_refused(capsys):
+    with pytest.raises(twinstep.UsageError, match="cannot fire"):
+        twinstep.tie("resnet50", replicas=1, control="sum")
+    code, err = run_cli(["certify", "--replicas", "1"], capsys)
+    assert code == 2 and "cannot fire" in err and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------- the verdicts
+
+
+def _report(bounds, errs) -> ties.TieReport:
+    """A TieReport of parameter rows with these bounds and errors (nothing computed)."""
+    rows = [{"name": f"p{i}", "shape": [1], "rel_err": e, "abs_err": e, "bound": b,
+             "ok": e <= b} for i, (b, e) in enumerate(zip(bounds, errs, strict=True))]
+    loss = {"replica": 1.0, "single": 1.0, "rel_err": 0.0, "bound": 1e-12, "ok": True}
+    return ties.TieReport(ties.TieConfig(), rows, [], loss, 0.0, 0.0, True)
+
+
+def test_a_loose_bound_makes_a_tie_inconclusive_never_a_pass():
+    tight = _report([1e-10, 1e-4], [1e-12, 1e-5])
+    assert tight.status == "tied" and tight.ok
+    loose = _report([1e-10, 2e-2], [1e-12, 1e-5])  # p1 could hide a 1% bug
+    assert loose.status == "inconclusive" and not loose.ok
+    assert loose.verdict().startswith("inconclusive") and "p1" in loose.verdict()
+    assert ties.EXIT_CODES[loose.status] == 4 and loose.to_json()["status"] == "inconclusive"
+    failed = _report([1e-10, 2e-2], [1e-9, 1e-5])  # a failure is a failure, however loose
+    assert failed.status == "NOT tied" and ties.EXIT_CODES[failed.status] == 1
+    # the threshold is where it is claimed to be
+    at = _report([ties.INCONCLUSIVE_BOUND], [0.0])
+    over = _report([ties.INCONCLUSIVE_BOUND * 1.01], [0.0])
+    assert (at.status, over.status) == ("tied", "inconclusive")
+
+
+def test_whole_step_reports_are_inconclusive_alike():
+    rows = [{"name": "params/w", "shape": [1], "rel_err": 0.0, "sensitivity": 0.0, "ok": True,
+             "bound": 5e-3}]
+    loss = {"replica": 1.0, "single": 1.0, "rel_err": 0.0, "bound": 1e-12, "ok": True}
+    report = ties.StepsReport(ties.TieConfig(), [{"step": 1, "rows": rows, "loss": loss}])
+    assert report.status == "inconclusive" and "params/w (step 1)" in report.verdict()
+    rows[0]["bound"] = 1e-10
+    assert report.status == "tied"
+
+
+def test_a_crash_is_exit_3_in_one_line_not_a_failed_check(monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the backend fell over")
+
+    monkeypatch.setattr(api, "tie", broken)
+    code, err = run_cli(["tie", "resnet50"], capsys)
+    assert code == 3 and err.count("\n") == 1
+    assert "internal error: RuntimeError: the backend fell over" in err
+    with pytest.raises(RuntimeError):  # --debug shows it as it is
+        cli.main(["--debug", "tie", "resnet50"])
+
+
+@pytest.mark.slow
+def test_an_interrupt_is_130_in_one_line_and_leaves_no_report(tmp_path):
+    report = tmp_path / "tie.json"
+    for delay in (3, 10):  # starting JAX; compiling
+        p = subprocess.Popen([sys.executable, "-m", "twinstep.cli", "tie", "resnet50",
+                              "--replicas", "2", "--json", str(report)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 130, (delay, p.returncode, err[-2000:])
+        assert err == "twinstep tie: interrupted\n"
+        assert not os.listdir(tmp_path)
+
+
+# ---------------------------------------------------------------------------- the fuzz
+
+
+def bad_inputs(tmp):
+    """(argv, what the one line must say) for each kind of bad input."""
+    out = str(tmp / "out")
+    a_file = tmp / "a_file"
+    a_file.write_text("")
+    return [
+        (["nope"], "invalid choice"), (["--nope"], "unrecognized"),
+        (["tie"], "the net is required"), (["tie", "vgg"], "invalid choice"),
+        (["tie", "resnet50", "--res", "x"], "not an integer"),
+        (["tie", "resnet50", "--res", "0"], "must be >= 1"),
+        (["tie", "resnet50", "--res", "30"], "multiple of 32"),
+        (["tie", "resnet50", "--res", "٣٢"], "not an integer"),
+        (["tie", "resnet50", "--replicas", "-1"], "must be >= 1"),
+        (["tie", "resnet50", "--batch", "0"], "must be >= 1"),
+        (["tie", "resnet50", "--classes", "1"], "--classes must be >= 2"),
+        (["tie", "resnet50", "--seed", "-1"], "must be >= 0"),
+        (["tie", "resnet50", "--seed", str(2**40)], "< 2147483648"),
+        (["tie", "resnet50", "--precision", "f16"], "invalid choice"),
+        (["tie", "resnet50", "--loss", "mse"], "invalid choice"),
+        (["tie", "resnet50", "--control", "nope"], "invalid choice"),
+        (["tie", "resnet50", "--replicas", "1", "--control", "sum"], "cannot fire"),
+        (["tie", "resnet50", "--precision", "bf16", "--replicas", "3"], "power of two"),
+        (["tie", "resnet50", "--steps", "2"], "--steps needs --recipe"),
+        (["tie", "resnet50", "--recipe", "mnv4in_adamdp64"], "is for mnv4"),
+        (["tie", "resnet50", "--recipe", "resnet50in_lambdp2foo"], "unknown token 'foo'"),
+        (["tie", "resnet50", "--recipe", "resnet50in_lambdp2", "--precision", "f32"],
+         "run in f64"),
+        (["tie", "resnet50", "--json", str(tmp / "no" / "r.json")], "writable folder"),
+        (["tie", "resnet50", "--json", str(tmp)], "writable folder"),
+        (["tie", "resnet50", "--res", "4096", "--batch", "64"], "needs at least"),
+        (["tie", "--artifact", "x.mlir"], "NAME.jaxexport"),
+        (["tie", "--artifact", str(tmp / "missing.jaxexport")], "cannot read"),
+        (["tie", "resnet50", "--artifact", "x.jaxexport"], "drop net"),
+        (["render", "--out", out], "give a recipe NAME or --all"),
+        (["render", "rsb-a1", "--out", str(a_file)], "a file, not a folder"),
+        (["render", "nope", "--out", out], "unknown net"),
+        (["render", "rsb-a1", "--res", "30", "--out", out], "multiple of 32"),
+        (["render", "rsb-a1", "--replicas", "0", "--out", out], "must be >= 1"),
+        (["render", "rsb-a1", "--classes", "1", "--out", out], "--classes must be >= 2"),
+        (["render", "rsb-a1", "--control", "sum", "--out", out], "R = 1 has none"),
+        (["render", "rsb-a1", "--replicas", "2", "--control", "unsynced", "--out", out],
+         "running statistics"),
+        (["recipe", "resnet50in_lambfoo"], "unknown token 'foo'"),
+        (["recipe", "resnet50in_lamb٣dp"], "ASCII"),
+        (["recipe", "resnet50in_lambdp" + "9" * 40], "too large"),
+        (["recipe", "x" * 2000], "at most 1024"),
+        (["recipe", "rsb-a1", "--replicas", "0"], "must be >= 1"),
+        (["info", "vgg"], "invalid choice"),
+        (["info", "resnet50", "--classes", "1"], "must be >= 2"),
+        (["info", "resnet50", "--res", "0"], "must be >= 1"),
+        (["certify", "--replicas", "0"], "must be >= 1"),
+        (["certify", "--seed", "-3"], "must be >= 0"),
+        (["parity", "resnet50", "--res", "30"], "multiple of 32"),
+    ]
+
+
+def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys):
+    cases = bad_inputs(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    for argv, says in cases:
+        code, err = run_cli(argv, capsys)
+        assert code == 2, (argv, code, err)
+        assert err.count("\n") == 1 and says in err, (argv, err)
+        assert "Traceback" not in err
+        assert sorted(os.listdir(tmp_path)) == before, argv
+    assert len(cases) >= 40
+
+
+def test_the_api_checks_a_config_before_anything_compiles():
+    cfg = ties.TieConfig()
+    for field, value in (("replicas", 0), ("classes", 1), ("seed", -1), ("res", 33),
+                         ("loss", "mse"), ("precision", "f16"), ("control", "nope")):
+        with pytest.raises(twinstep.UsageError):
+            dataclasses.replace(cfg, **{field: value})

@@ -1,0 +1,7 @@
+"""Defaults shared by the recipes (plain values, no JAX) and the code that applies them (the
+loss, the EMA): one definition each, importable without starting JAX, so that `twinstep recipe`
+answers at once."""
+
+LABEL_SMOOTHING = 0.1  # CE's label smoothing unless a recipe names another (timm's default)
+EMA_DECAY = 0.9999  # timm's ModelEmaV3 decay
+EMA_WARMUPS = ("none", "timm", "tf")  # the EMA decay's warmup curves (twinstep.ema)
