@@ -69,7 +69,8 @@ def tie_report(report, show_all: bool = False, seconds: float | None = None,
                   f"{'agree' if report.replicas_agree else '[red]DISAGREE[/]'} on statistics "
                   f"and buffers")
     took = f" ({seconds:.0f} s)" if seconds is not None else ""
-    console.print(f"[{COLOURS[report.status]}]{report.verdict()}[/]{took}")
+    # one line, unwrapped: scripts (and `make demo`) read the last line
+    console.print(f"[{COLOURS[report.status]}]{report.verdict()}[/]{took}", soft_wrap=True)
 
 
 def steps_report(report, show_all: bool = False, seconds=None, console=None):
@@ -94,7 +95,8 @@ def steps_report(report, show_all: bool = False, seconds=None, console=None):
         console.print(f"loss: replicas {lo['replica']:.12g}, single {lo['single']:.12g} "
                       f"(rel err {lo['rel_err']:.1e})")
     took = f" ({seconds:.0f} s)" if seconds is not None else ""
-    console.print(f"[{COLOURS[report.status]}]{report.verdict()}[/]{took}")
+    # one line, unwrapped: scripts (and `make demo`) read the last line
+    console.print(f"[{COLOURS[report.status]}]{report.verdict()}[/]{took}", soft_wrap=True)
 
 
 def parity_report(r, res: int, batch: int, classes: int, console=None) -> None:
@@ -179,4 +181,4 @@ def certify_report(report, seconds: float, console: Console | None = None) -> No
     worst_vjp = max(c.err for c in report.checks if c.check == "vjp vs jax.vjp")
     console.print(f"{verdict}: {n_ok}/{len(report.checks)} checks hold, "
                   f"{n_caught}/{len(report.controls)} controls caught, "
-                  f"worst VJP err {worst_vjp:.1e} ({seconds:.0f} s)")
+                  f"worst VJP err {worst_vjp:.1e} ({seconds:.0f} s)", soft_wrap=True)

@@ -67,11 +67,18 @@ def _status(within: bool, bounds) -> tuple[str, list]:
     return ("inconclusive" if loose else "tied"), loose
 
 
-def _inconclusive_text(loose: list, total: int) -> str:
+def _power_text(head: str, loose: list, bounds: list) -> str:
+    """What the run could see: the loosest noise-floor bound; for an inconclusive run, how many
+    are too loose and what to change."""
+    if head != "inconclusive":
+        name, bound = max(bounds, key=lambda nb: nb[1])
+        return f"; loosest bound {bound:.1e} ({name})"
     bound, name = loose[0]
-    return (f"; {len(loose)} of {total} bounds exceed {INCONCLUSIVE_BOUND:g} (loosest: {name}, "
-            f"{bound:.1e}), where a bug of that size would pass: tie in f64, or where the single "
-            f"device is better conditioned (larger --res or --batch)")
+    return (f"; {len(loose)} of {len(bounds)} bounds exceed {INCONCLUSIVE_BOUND:g} (loosest: "
+            f"{name}, {bound:.1e}), where a bug of that size would pass: tie in f64, or where "
+            f"the single device is better conditioned (larger --res or --batch)")
+
+
 STEPS = 3  # whole-step ties: the default number of optimizer steps
 PERTURBATION_F32 = 1e-6  # ~8 f32 ulps; other precisions perturb by the same number of ulps
 
@@ -296,8 +303,7 @@ class TieReport:
         head, loose = _status(self.within, self._bounds())
         text = (f"{head}: {n_ok}/{len(self.parameters)} parameters, {b_ok}/{len(self.bn_sites)} "
                 f"BN sites; worst rel err {w['rel_err']:.1e} ({w['name']})")
-        if head == "inconclusive":
-            text += _inconclusive_text(loose, len(self._bounds()))
+        text += _power_text(head, loose, self._bounds())
         if not self.within:
             bad = [p["name"] for p in self.parameters if not p["ok"]][:3]
             bad += [b["name"] for b in self.bn_sites if not b["ok"]][:max(0, 3 - len(bad))]
@@ -462,8 +468,7 @@ class StepsReport:
         text = (f"{head} over {len(self.steps)} steps: {sum(r['ok'] for r in last)}/{len(last)} "
                 f"state tensors after the last; worst rel err {worst['rel_err']:.1e} "
                 f"({worst['name']}, step {at})")
-        if head == "inconclusive":
-            text += _inconclusive_text(loose, len(self._bounds()))
+        text += _power_text(head, loose, self._bounds())
         if not self.within:
             bad = [f"{r['name']} (step {s})" for r, s in rows if not r["ok"]][:3]
             text += "; first failing: " + ", ".join(bad)
