@@ -262,8 +262,21 @@ def noise_floor(single, params, buffers, x, t, ref, seed):
     return grads, stats, max(rel(m.loss, ref.loss) for m in moved)
 
 
+class _Verdict:
+    """A report's status from its ``within`` and its noise-floor ``_bounds()``."""
+
+    @property
+    def status(self) -> str:
+        """"tied", "NOT tied" or "inconclusive" (`_status`)."""
+        return _status(self.within, self._bounds())[0]
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "tied"
+
+
 @dataclasses.dataclass
-class TieReport:
+class TieReport(_Verdict):
     config: TieConfig
     parameters: list  # dicts: name, shape, rel_err, abs_err, bound, ok (+ sensitivity)
     bn_sites: list  # dicts: name, mean_rel_err, var_rel_err, ok
@@ -282,15 +295,6 @@ class TieReport:
         """(name, bound) of every noise-floor bound (not bf16's elementwise ones)."""
         return ([(p["name"], p["bound"]) for p in self.parameters if "bound_kind" not in p]
                 + [(b["name"], b["bound"]) for b in self.bn_sites] + [("loss", self.loss["bound"])])
-
-    @property
-    def status(self) -> str:
-        """"tied", "NOT tied" or "inconclusive" (`_status`)."""
-        return _status(self.within, self._bounds())[0]
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "tied"
 
     @property
     def worst(self) -> dict:
@@ -438,7 +442,7 @@ def compare_states(ours, ref, moved: tuple, floor: float) -> list:
 
 
 @dataclasses.dataclass
-class StepsReport:
+class StepsReport(_Verdict):
     config: TieConfig
     steps: list  # per step: {"step", "rows": [...], "loss": {...}}
     artifact: str | None = None  # the render tied (NAME.jaxexport), if not the Python step
@@ -451,14 +455,6 @@ class StepsReport:
     def _bounds(self) -> list:
         return [(f"{r['name']} (step {s['step']})", r["bound"]) for s in self.steps
                 for r in [*s["rows"], {"name": "loss", **s["loss"]}]]
-
-    @property
-    def status(self) -> str:
-        return _status(self.within, self._bounds())[0]
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "tied"
 
     def verdict(self) -> str:
         rows = [(r, s["step"]) for s in self.steps for r in s["rows"]]
