@@ -302,8 +302,10 @@ def add_tie(sub) -> None:
                     "rounding boundary (docs/tie.md), everything else at the f64 bounds; R "
                     "must be a power of two.\n\n"
                     "Exit 0 when everything ties, 1 when anything fails, 2 on bad "
-                    "usage, 3 on an internal error. Controls inject a classic bug; each must "
-                    "make the tie fail:\n"
+                    "usage, 3 on an internal error, 4 when inconclusive (within every bound, "
+                    "but a bound above 1e-3: too loose to see a small bug; docs/tie.md). "
+                    "Controls inject a classic bug, need R >= 2, and each must make the tie "
+                    "fail:\n"
                     + "\n".join(f"  {k:<14} {v}" for k, v in CONTROLS.items()))
     t.add_argument("net", choices=sorted(NETS), nargs="?",
                    help="the network (omitted with --artifact: the render names it)")
