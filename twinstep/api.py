@@ -86,7 +86,8 @@ def tie_steps(recipe: str, steps: int | None = None, progress=None, **config):
     cfg = ties.TieConfig(net=net, recipe=recipe, **config)
     devices(cfg.replicas)
     with _x64(cfg.precision):
-        return ties.run_steps_tie(cfg, steps=steps or ties.STEPS, progress=progress)
+        return ties.run_steps_tie(cfg, steps=ties.STEPS if steps is None else steps,
+                                  progress=progress)
 
 
 class Artifact(NamedTuple):
@@ -144,7 +145,8 @@ def tie_artifact(path: str, steps: int | None = None, seed: int = 0, shift: bool
                          parse_recipe(m["name"]).loss, "f64", seed, shift, "none", fast_compile,
                          m["name"])
     with _x64("f64"):
-        report = ties.run_steps_tie(cfg, steps=steps or ties.STEPS, progress=progress,
+        report = ties.run_steps_tie(cfg, steps=ties.STEPS if steps is None else steps,
+                                    progress=progress,
                                     replica=art.step(fast_compile, donate=True))
     report.artifact = path
     return report
