@@ -26,6 +26,8 @@ CONTROLS = {
     "shard-gamma": "BN's gamma gradient reads this shard's statistics, not the global ones",
     "sum": "every replica collective sums where it must average",
     "wrong-divisor": "each replica divides its loss by the global batch R*N",
+    "divisor-plus-one": "replica 0 divides its loss by N+1 (a subtle bug: every gradient off "
+                        "by about 1/(R(N+1)))",
     "replicated-masks": "every replica takes the first N rows of the drop-path / dropout masks",
 }
 MASK_CONTROLS = ("replicated-masks",)  # visible only when a recipe draws masks
@@ -82,6 +84,15 @@ class Replicas:
     def bn_mean(self, x: jax.Array, site: str) -> jax.Array:
         """A BatchNorm statistic's mean over replicas; per-replica under the `unsynced` control."""
         return self.mean(x, site) if self.bn_synced else x
+
+    def loss_rows(self, n: int):
+        """The rows this replica divides its loss by: its own N — or, under a control, the
+        global R N (`wrong-divisor`), or N + 1 on replica 0 (`divisor-plus-one`)."""
+        if self.control == "wrong-divisor":
+            return n * self.count
+        if self.control == "divisor-plus-one" and self.synced:
+            return n + (self.index() == 0)
+        return n
 
     def grad_mean(self, grads):
         """The parameter-gradient collective: each leaf all-reduced by its mean, exactly once."""

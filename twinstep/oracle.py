@@ -206,13 +206,12 @@ def loss_case(rng, n, k, kind: str) -> Case:
 
 
 def loss_case_fn(kind: str):
-    """(logits, targets, replicas) -> (loss, dlogits) with the divisor a replica uses: its own
-    batch, or — under the ``wrong-divisor`` control — the global batch R N."""
+    """(logits, targets, replicas) -> (loss, dlogits) with the divisor a replica uses
+    (`Replicas.loss_rows`: its own batch, or under a control another)."""
 
     def f(z, t, rep: Replicas):
-        n = z.shape[0] * (rep.count if rep.control == "wrong-divisor" else 1)
-        div = loss.loss_divisor(kind, n, z.shape[-1])
-        return (loss.smoothed_ce(z, t, divisor=div) if kind == "ce" else loss.bce(z, t, div))
+        div = loss.loss_divisor(kind, rep.loss_rows(z.shape[0]), z.shape[-1])
+        return loss.value_and_cotangent(kind, z, t, div)
 
     return f
 

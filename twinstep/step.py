@@ -48,9 +48,9 @@ def grad_step(net, params: dict, buffers: dict, x, targets, ctx: layers.Ctx, los
     alpha: CE label smoothing; momentum: the running statistics' update."""
     rep = ctx.replicas
     logits, tape, stats = net.forward(params, buffers, x, ctx, **(masks or {}))
-    n = x.shape[0] * (rep.count if rep.control == "wrong-divisor" else 1)
+    divisor = losses.loss_divisor(loss, rep.loss_rows(x.shape[0]), logits.shape[-1])
     value, dlogits = losses.value_and_cotangent(loss, logits, targets.astype(logits.dtype),
-                                        losses.loss_divisor(loss, n, logits.shape[-1]), alpha)
+                                                divisor, alpha)
     grads = net.backward(tape, dlogits)
     grads = rep.grad_mean(grads) if collective else grads
     return StepOut(rep.mean(value, "loss"), grads, stats,
