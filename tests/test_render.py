@@ -232,7 +232,7 @@ def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_p
     `test_tie_artifact_...` ties to the single-device Python step."""
     _, paths = example_f64
     _, _, _, _, state, xs, ts, key = _example_inputs()
-    names = renders.state_names(state)
+    names = step.state_names(state)
     arrays = dict(zip(names, map(np.asarray, jax.tree.leaves(state)), strict=True))
     np.savez(tmp_path / "in.npz", xs=np.asarray(xs), ts=np.asarray(ts),
              key=np.asarray(jax.random.key_data(key)), **arrays)

@@ -142,8 +142,6 @@ def artifact_program(exported: jax.export.Exported, manifest: dict, fast_compile
     """A render's deserialized step as train_program's step: (state, xs, ts, key) -> (state,
     {"loss", "lr"}), its arguments checked against the manifest's signature (UsageError, one
     line) and placed on the first R devices as the manifest shards them."""
-    from twinstep.renders import state_names
-
     r = manifest["replicas"]
     inputs = manifest["inputs"]
     state_args = tuple(range(len(inputs) - 3))  # all but xs, ts, key
@@ -153,7 +151,7 @@ def artifact_program(exported: jax.export.Exported, manifest: dict, fast_compile
     def run(state, xs, ts, key):
         leaves, treedef = jax.tree.flatten(state)
         args = [*leaves, xs, ts, jax.random.key_data(key)]
-        names = state_names(state) + ["xs", "ts", "key"]
+        names = step.state_names(state) + ["xs", "ts", "key"]
         want = [(n, list(np.shape(a)), str(a.dtype)) for n, a in zip(names, args, strict=True)]
         have = [(i["name"], i["shape"], i["dtype"]) for i in inputs]
         if want != have:

@@ -16,7 +16,7 @@ The exported function is flat so that it needs no pytree registrations to load:
     inputs  = state leaves, xs [k, R N, S, S, 3], ts [k, R N, K], key uint32[2]
     outputs = state leaves, loss (the step's mean loss), lr (the learning rate it used)
 
-State leaves (`state_names`: "step", "params/<timm name>", "buffers/<timm name>",
+State leaves (`step.state_names`: "step", "params/<timm name>", "buffers/<timm name>",
 "opt_state/...", "ema/0/<timm name>", ...) are replicated; xs and ts are sharded along their
 R N axis, replica r holding rows r N ... (r + 1) N - 1 of each micro-batch. ts are soft targets
 (BCE recipes transform them inside the step); key is ``jax.random.key_data`` of a threefry key.
@@ -126,12 +126,6 @@ def local_platform() -> str:
     return "rocm" if "rocm" in jax.devices()[0].client.platform_version.lower() else "cuda"
 
 
-def state_names(state) -> list[str]:
-    """The flat names of a TrainState's leaves, in ``jax.tree.leaves`` order."""
-    return ["/".join(step.path_parts(path)) for path, _ in
-            jax.tree_util.tree_flatten_with_path(state)[0]]
-
-
 @dataclasses.dataclass
 class Export:
     """What `export_step` made and the facts the manifest states about it."""
@@ -141,7 +135,7 @@ class Export:
     res: int
     precision: str
     depthwise_path: str
-    names: list  # the state leaves' names (`state_names`)
+    names: list  # the state leaves' names (`step.state_names`)
     in_specs: list  # a PartitionSpec per input, as JSON lists ([] = replicated)
 
 
@@ -174,7 +168,7 @@ def export_step(cfg: RenderConfig, single: bool = False) -> Export:
             avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, sp))
                      for a, sp in zip(avals, made.in_specs, strict=True)]
         exported = jax.export.export(made.step, platforms=[platform])(*avals)
-    names = state_names(made.state)
+    names = step.state_names(made.state)
     for n, a, b in zip(names, leaves, exported.out_avals, strict=False):
         if (a.shape, a.dtype) != (b.shape, b.dtype):  # the step must map a state onto its own type
             raise AssertionError(f"{n}: the step takes {a.dtype}{list(a.shape)} and returns "

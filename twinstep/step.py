@@ -76,6 +76,13 @@ def path_parts(path) -> list[str]:
     return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
+def state_names(state) -> list[str]:
+    """The flat names of a TrainState's leaves, in ``jax.tree.leaves`` order ("step",
+    "params/<timm name>", "opt_state/...", ...): a render's signature and an artifact's check."""
+    return ["/".join(path_parts(path)) for path, _ in
+            jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
 def init_state(recipe, params: dict, buffers: dict, opt: optax.GradientTransformation):
     return TrainState(jnp.zeros((), jnp.int32), params, buffers, opt.init(params),
                       ema.ema_init(params, buffers) if recipe.ema else None)
