@@ -179,3 +179,21 @@ def test_the_api_checks_a_config_before_anything_compiles():
                          ("loss", "mse"), ("precision", "f16"), ("control", "nope")):
         with pytest.raises(twinstep.UsageError):
             dataclasses.replace(cfg, **{field: value})
+
+
+@pytest.mark.parametrize("dtype,floor", [("float64", 1e-10), ("float32", 1e-4)])
+def test_a_bias_gradient_below_its_dtypes_floor_is_compared_against_zero(dtype, floor):
+    """`compare.grad_err`: a BN bias gradient under FLOOR x its gamma gradient's norm (a structural
+    zero, or one no relative comparison can resolve) is held to zero on the gamma's scale; just
+    above it, norm-relative as every other tensor."""
+    import numpy as np
+
+    from twinstep.compare import FLOORS, grad_err
+
+    assert FLOORS[dtype] == floor
+    gamma = np.full(4, 1.0, dtype)  # norm 2
+    for scale, expected in ((0.4 * floor, "zero"), (1.5 * floor, "relative")):
+        ref = {"bn.weight": gamma, "bn.bias": np.full(4, scale, dtype)}
+        ours = {"bn.weight": gamma, "bn.bias": np.full(4, -scale, dtype)}
+        err = grad_err("bn.bias", ours, ref)
+        assert err == pytest.approx(0.4 * floor if expected == "zero" else 2.0, rel=1e-3)
