@@ -11,7 +11,8 @@ from twinstep.ops import loss
 
 NET_MODULES = [resnet50, mobilenetv4]
 MEMBERS = ("NAME", "TIMM_NAME", "INPUT_MULTIPLE", "FEATURES", "DROP_PATH_SITES", "MASKS",
-           "param_shapes", "zero_init_bns", "drop_path_rates", "forward", "backward")
+           "param_shapes", "zero_init_bns", "branch_end_bns", "drop_path_rates", "forward",
+           "backward")
 
 
 @pytest.mark.parametrize("net", NET_MODULES, ids=lambda m: m.NAME)
@@ -74,3 +75,33 @@ def test_loss_dispatch(monkeypatch):
     assert loss.value_and_cotangent("bce", None, None, 40, 0.3) == ("bce", 40)
     with pytest.raises(ValueError, match=r"^unknown loss 'mse'; choose ce or bce$"):
         loss.value_and_cotangent("mse", None, None, 4)
+
+
+@pytest.mark.parametrize("net", NET_MODULES, ids=lambda m: m.NAME)
+def test_branch_ends_are_the_last_bn_of_every_residual_branch(net):
+    ends = net.branch_end_bns()
+    if net is resnet50:  # every bottleneck's bn3, which timm zero-inits
+        assert ends == net.zero_init_bns() and len(ends) == 16
+    else:  # the 18 identity-skip blocks' pw_proj.bn (their drop-path sites)
+        assert ends == tuple(f"{p}.pw_proj.bn" for p in net.DROP_PATH_SITES) and len(ends) == 18
+
+
+def test_near_init_is_timms_start_nudged():
+    """near-init (the f32 tie's state): gammas 1 + 0.01 N, betas 0.01 N, branch ends 1e-3 N."""
+    import jax
+    import numpy as np
+
+    from twinstep.nets import layers
+
+    shapes = resnet50.param_shapes(10)
+    params = layers.near_init_bn(jax.random.key(0), layers.init_params(jax.random.key(1), shapes),
+                                 resnet50.branch_end_bns())
+    gammas = np.concatenate([np.asarray(params[f"{b}.weight"]) for b in layers.bn_names(shapes)
+                             if b not in resnet50.branch_end_bns()])
+    ends = np.concatenate([np.asarray(params[f"{b}.weight"]) for b in resnet50.branch_end_bns()])
+    betas = np.concatenate([np.asarray(params[f"{b}.bias"]) for b in layers.bn_names(shapes)])
+    assert abs(gammas.mean() - 1) < 1e-3 and 0.008 < gammas.std() < 0.012
+    assert abs(ends).max() < 0.01 and 0.0008 < ends.std() < 0.0012
+    assert abs(betas.mean()) < 1e-3 and 0.008 < betas.std() < 0.012
+    assert np.array_equal(params["conv1.weight"], layers.init_params(jax.random.key(1),
+                                                                    shapes)["conv1.weight"])

@@ -30,6 +30,10 @@ class Net(Protocol):
         """BN prefixes whose gamma starts at 0 (timm's init), possibly none."""
         ...
 
+    def branch_end_bns(self) -> tuple[str, ...]:
+        """BN prefixes that end a residual branch (the branch's output is added to its skip)."""
+        ...
+
     def drop_path_rates(self, rate: float) -> tuple[float, ...]:
         """timm's per-site drop-path rates for a model rate: one per `DROP_PATH_SITES` entry."""
         ...

@@ -153,6 +153,31 @@ def init_buffers(param_shapes: dict, dtype=jnp.float32) -> dict:
             for k, s in buffer_shapes(param_shapes).items()}
 
 
+NEAR_INIT_SCALE = 0.01  # near-init: every BN gamma 1 + this N(0, 1), every beta this N(0, 1)
+BRANCH_END_SCALE = 1e-3  # near-init: a residual branch's last gamma is this N(0, 1)
+
+
+def near_init_bn(key, params: dict, branch_ends: tuple) -> dict:
+    """timm's initialisation, nudged: every BN gamma 1 + 0.01 N(0, 1) and beta 0.01 N(0, 1); the
+    last BN of each residual branch (``branch_ends``) gamma 1e-3 N(0, 1) — timm's zero_init_last
+    moved just off zero, so that its branch has gradients while each block stays close to the
+    identity. A network in this state is as well conditioned as at the start of training: f32
+    sums moved by a reordering move the gradients by ~1e-5, where `randomize_bn`'s state moves
+    them by O(1) (docs/tie.md#f32)."""
+    bns = bn_names({k: v.shape for k, v in params.items()})
+    channels = {bn: params[bn + ".weight"].shape for bn in bns}
+    dtype = params[bns[0] + ".weight"].dtype
+    k = jax.random.split(key, 2)
+    gamma = _draw(jax.random.normal, k[0], channels, dtype)
+    beta = _draw(jax.random.normal, k[1], channels, dtype)
+    out = dict(params)
+    for bn in bns:
+        out[bn + ".weight"] = (BRANCH_END_SCALE * gamma[bn] if bn in branch_ends
+                               else 1 + NEAR_INIT_SCALE * gamma[bn])
+        out[bn + ".bias"] = NEAR_INIT_SCALE * beta[bn]
+    return jax.device_put(out)
+
+
 def randomize_bn(key, params: dict, buffers: dict) -> tuple[dict, dict]:
     """BN gamma ~ U(0.5, 1.5), beta ~ N(0, 0.2), running mean ~ N(0, 0.2), running var ~
     U(0.5, 2): a parity check whose BNs are the identity at init would miss swapped layers.

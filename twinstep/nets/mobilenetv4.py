@@ -154,6 +154,11 @@ def param_shapes(num_classes: int = 1000) -> dict:
     return shapes
 
 
+def branch_end_bns() -> tuple:
+    """The last BN of each residual branch: pw_proj.bn of the 18 identity-skip blocks."""
+    return tuple(b.layers[-1].bn for b in blocks() if b.skip)
+
+
 def zero_init_bns() -> tuple:
     """timm's MobileNetV4 init (``_init_weight_goog``) sets every BN gamma to 1: none zeroed."""
     return ()

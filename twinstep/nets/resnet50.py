@@ -88,9 +88,14 @@ def param_shapes(num_classes: int = 1000) -> dict:
     return shapes
 
 
+def branch_end_bns() -> tuple:
+    """The last BN of each residual branch: every block's bn3."""
+    return tuple(f"{b.prefix}.bn3" for b in blocks())
+
+
 def zero_init_bns() -> tuple:
     """timm's ``zero_init_last``: the last BN of each block starts with gamma = 0."""
-    return tuple(f"{b.prefix}.bn3" for b in blocks())
+    return branch_end_bns()
 
 
 class Tape(NamedTuple):
