@@ -63,7 +63,7 @@ def tie(net: str = "resnet50", progress=None, **config):
     """Tie one gradient step: R replicas of N against one device at R N, every parameter
     gradient, BN statistic, the loss and the running statistics. ``config``: the fields of
     `twinstep.ties.TieConfig` (replicas, batch, res, classes, loss, precision, seed, shift,
-    control, fast_compile). Returns a `twinstep.ties.TieReport` (``.ok``, ``.verdict()``,
+    control, state, fast_compile). Returns a `twinstep.ties.TieReport` (``.ok``, ``.verdict()``,
     ``.to_json()``); ``progress(text)`` is told what runs now."""
     from twinstep import ties
 

@@ -281,7 +281,7 @@ def run_parity(args, parser) -> int:
 def add_tie(sub) -> None:
     from twinstep.collectives import CONTROLS
     from twinstep.nets import NETS
-    from twinstep.ties import PRECISIONS, TieConfig
+    from twinstep.ties import PRECISIONS, STATES, TieConfig
 
     default = _defaults(TieConfig)
     t = sub.add_parser(
@@ -295,7 +295,10 @@ def add_tie(sub) -> None:
                     "Bounds, relative, per tensor: max(FLOOR, 10 x SENSITIVITY), SENSITIVITY "
                     "being what arithmetic alone moves the single-device value by (a "
                     "rounding-sized input perturbation or a reordered batch); FLOOR is 1e-10 "
-                    "for parameters and 1e-12 for BN statistics in f64, 1e-4 in f32. bf16 — "
+                    "for parameters and 1e-12 for BN statistics in f64, 1e-4 in f32. f32 runs "
+                    "both programs on the batch and three rounding-sized nudges of it and "
+                    "takes the closest pair (a ReLU at zero may flip either way), from "
+                    "--state near-init at N = 4 by default (docs/tie.md#f32). bf16 — "
                     "the bf16 policy's rounding points (every conv operand and result) with "
                     "f64 around them, so both programs feed every conv the same bf16 "
                     "operands: conv weight gradients elementwise against the partial-sum "
@@ -310,7 +313,8 @@ def add_tie(sub) -> None:
     t.add_argument("net", choices=sorted(NETS), nargs="?",
                    help="the network (omitted with --artifact: the render names it)")
     _count(t, "--replicas", None, f"replicas (default {default['replicas']})", "R")
-    _count(t, "--batch", None, "examples per replica (default 2, or the recipe's N)", "N")
+    _count(t, "--batch", None, "examples per replica (default 2, in f32 4, or the recipe's N)",
+           "N")
     _count(t, "--res", None, f"input resolution (default {default['res']})")
     _count(t, "--classes", None, f"classes K (default {default['classes']})")
     t.add_argument("--loss", choices=["ce", "bce"], default=None,
@@ -322,6 +326,10 @@ def add_tie(sub) -> None:
                    help="offset replica r's inputs by r, so Chan's correction is O(1) "
                         "(default on)")
     t.add_argument("--control", choices=sorted(CONTROLS), default="none")
+    t.add_argument("--state", choices=STATES, default=None,
+                   help="the parameters both programs start from: random-bn (every BN far "
+                        "from the identity; default in f64 and bf16) or near-init (timm's "
+                        "initialisation, nudged; default in f32)")
     t.add_argument("--all", action="store_true", help="one row per parameter (default: the "
                                                       "worst 10 and counts)")
     _json_out(t, "write the full report as JSON")
@@ -345,9 +353,10 @@ def add_tie(sub) -> None:
 
 
 # the configuration an artifact's manifest fixes
-_ARTIFACT_FIXED = ("net", "batch", "recipe", "loss", "precision", "replicas", "res", "classes")
+_ARTIFACT_FIXED = ("net", "batch", "recipe", "loss", "precision", "replicas", "res", "classes",
+                   "state")
 _TIE_FIELDS = ("replicas", "batch", "res", "classes", "loss", "precision", "seed", "shift",
-               "control", "fast_compile", "recipe")
+               "control", "fast_compile", "recipe", "state")
 
 
 def run_tie(args, parser) -> int:
