@@ -14,7 +14,7 @@ import jax
 
 jax.config.update("jax_enable_x64", True)
 
-from twinstep import dp  # noqa: E402
+from twinstep import dp, ties  # noqa: E402
 
 dp.ensure_devices(8)
 
@@ -67,5 +67,20 @@ def _release_compiled_programs():
     persistent compilation cache that `make test` sets up, a program compiled again is loaded.)"""
     yield
     jax.clear_caches()
+    ties.single_side.cache_clear()  # a tie's inputs and single-device results
     gc.collect()
     _LIBC.malloc_trim(0)  # hand the freed heap back: a worker's RSS would stay at its peak
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The tie sweep's count (tests/test_sweep.py records it on each group's report)."""
+    totals: dict = {}
+    for report in terminalreporter.stats.get("passed", []):
+        for key, value in getattr(report, "user_properties", []):
+            if key.startswith("sweep_"):
+                totals[key[len("sweep_"):]] = totals.get(key[len("sweep_"):], 0) + value
+    if totals:
+        terminalreporter.write_line(
+            f"tie sweep: {totals['ties']} random f64 ties tied ({totals['inconclusive']} "
+            f"inconclusive), {totals['controls']} random controls broke theirs, "
+            f"{totals['seconds']:.0f} s of worker time")
