@@ -152,6 +152,21 @@ def tie_artifact(path: str, steps: int | None = None, seed: int = 0, shift: bool
     return report
 
 
+def train(recipe: str, out: str, progress=None, **config) -> dict:
+    """Train recipe ``recipe`` (a name or preset) into RUN_DIR ``out`` with its tied step,
+    continuing the run already there; returns the last evaluation ({"raw": {loss, top1, top5},
+    "ema": ...}). ``config``: the fields of `twinstep.train.TrainConfig` (data, replicas, batch,
+    res, steps, eval_every, ckpt_every, keep, log_every, precision, seed); ``progress(step,
+    metrics)`` is told of every step."""
+    from twinstep import files, trainer
+
+    cfg = trainer.TrainConfig(recipe, out, **config)
+    files.check_writable_folder(out, "--out")
+    devices(cfg.replicas)
+    with _x64(cfg.precision):
+        return trainer.run(cfg, progress)
+
+
 def render(name: str, replicas: int = 1, out: str | None = None, **config):
     """Export recipe ``name``'s whole train step for an R-device mesh (no R devices needed).
     ``config``: the fields of `twinstep.renders.RenderConfig` (res, classes, precision,

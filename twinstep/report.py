@@ -29,6 +29,36 @@ def status(first: str, quiet: bool = False):
         yield lambda text: spinner.update(text)
 
 
+@contextlib.contextmanager
+def train_progress(total: int, quiet: bool = False):
+    """A progress bar on stderr for a training run — step, epoch, loss, lr, img/s, ETA —
+    yielding ``update(step, metrics)`` (a no-op when ``quiet`` or stderr is not a terminal)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    console = Console(stderr=True)
+    if quiet or not console.is_terminal:
+        yield lambda step, metrics: None
+        return
+    columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[text]}"), TimeRemainingColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("train", total=total, text="compiling")
+
+        def update(step, m):
+            top1 = m.get("eval", {}).get("raw", {}).get("top1")
+            text = (f"epoch {m['epoch']:.2f}  loss {m['loss']:.3f}  lr {m['lr']:.2e}  "
+                    f"{m['img_per_s']:.0f} img/s" + (f"  val top-1 {top1:.1%}" if top1 else ""))
+            bar.update(task, completed=step, text=text)
+
+        yield update
+
+
 def tie_report(report, show_all: bool = False, seconds: float | None = None,
                  console=None) -> None:
     console = console or Console()
