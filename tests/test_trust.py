@@ -158,6 +158,14 @@ def bad_inputs(tmp):
         (["certify", "--replicas", "0"], "must be >= 1"),
         (["certify", "--seed", "-3"], "must be >= 0"),
         (["parity", "resnet50", "--res", "30"], "multiple of 32"),
+        (["tie", "resnet50", "--state", "trained"], "invalid choice"),
+        (["train", "mnv4in_adamdp"], "--out"),
+        (["train", "mnv4in_adam", "--out", out, "--replicas", "2"], "no 'dp' token"),
+        (["train", "mnv4in_adamdp", "--out", str(a_file)], "a file, not a folder"),
+        (["train", "mnv4in_adamdp", "--out", out, "--res", "48"], "multiple of 32"),
+        (["train", "mnv4in_adamdp", "--out", out, "--data", "cifar"], "invalid choice"),
+        (["train", "mnv4in_adamdp", "--out", out, "--steps", "0"], "must be >= 1"),
+        (["train", "mnv4in_lambfoo", "--out", out], "unknown token 'foo'"),
     ]
 
 
