@@ -88,8 +88,6 @@ PERTURBATION_F32 = 1e-6  # ~8 f32 ulps; other precisions perturb by the same num
 F32_NUDGES = 3  # f32 runs both programs on the batch and on this many nudges of it (`_batches`)
 
 
-
-
 # The parameters a tie starts from: "random-bn" (every BN's gamma, beta and running statistics
 # drawn far from the identity: a swapped or mis-wired layer cannot hide) or "near-init" (timm's
 # initialisation, nudged: as well conditioned as a network starting to train — f32's default,
