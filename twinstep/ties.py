@@ -14,7 +14,7 @@ takes over only where the network is ill-conditioned (ResNet-50 at 32² with R N
 BNs reduce 4 rows, and reversing the batch moves the single device's own layer4.2.bn3 variance
 by 1.8e-12). f32 — both programs also run on F32_NUDGES rounding-sized nudges of the batch
 (`_batches`); a gradient's error is that of the closest pair on one batch, SENSITIVITY the
-distance of the closest two single-device runs (`closest_pair`): a ReLU whose input lies
+least its single device moves when a batch is reversed (`closest`): a ReLU whose input lies
 within rounding of zero may flip in either program and is not read as a bug (docs/tie.md#f32).
 bf16 — both programs run the bf16 policy's rounding points (every conv operand
 and result) with f64 around them and inside the conv accumulators (`tie_precision`): then
@@ -379,17 +379,19 @@ def single_side(cfg: TieConfig, net) -> tuple:
     prec = tie_precision(cfg.precision)
     params, buffers, x, t = inputs = setup(cfg, net)
     single = single_program(net, cfg, prec)
-    runs = [single(params, buffers, xi, t) for xi in _batches(cfg, x)]
+    batches = _batches(cfg, x)
+    runs = [single(params, buffers, xi, t) for xi in batches]
     if len(runs) == 1:
         return inputs, runs, noise_floor(single, params, buffers, x, t, runs[0], cfg.seed)
-    return inputs, runs, closest_pair(runs)
+    reordered = [single(params, buffers, xi[::-1], t[::-1]) for xi in batches]
+    return inputs, runs, closest(runs, reordered)
 
 
-def closest_pair(runs: list) -> tuple:
-    """f32's SENSITIVITY: per tensor, the distance between the closest two of the single-device
-    runs on the batch and its nudges — what arithmetic moves it by, with a flipped ReLU (which
-    only some runs make) left out, as the tie's f32 error leaves it out (`_batches`)."""
-    parts = [moved_by(runs[i + 1:], runs[i], min) for i in range(len(runs) - 1)]
+def closest(runs: list, reordered: list) -> tuple:
+    """f32's SENSITIVITY: per tensor, how far the single device moves when one of its batches is
+    summed in reverse order — the freedom the replica program takes — on the batch where it moves
+    least: a ReLU flipped in a reordered run is left out, as the tie's f32 error leaves it out."""
+    parts = [moved_by([m], r) for r, m in zip(runs, reordered, strict=True)]
     grads, stats = ({k: min(p[j][k] for p in parts) for k in parts[0][j]} for j in (0, 1))
     return grads, stats, min(p[2] for p in parts)
 
