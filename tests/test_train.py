@@ -17,7 +17,7 @@ from conftest import FAST_COMPILE_NETS
 
 from twinstep import UsageError
 from twinstep.data import batches, digits
-from twinstep.trainer import TrainConfig, load_state
+from twinstep.trainer import TrainConfig, export, load_state
 
 RECIPE = "mnv4in_adamdp4"  # MobileNetV4: compiling dominates its small steps (conftest)
 
@@ -70,6 +70,7 @@ def _train(out, *extra):
 
 
 @pytest.mark.slow
+@pytest.mark.oracle  # the exported weights in timm
 def test_a_run_killed_and_resumed_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     done = subprocess.run(_train(whole), capture_output=True, text=True, timeout=900)
@@ -94,11 +95,37 @@ def test_a_run_killed_and_resumed_ends_bit_for_bit_where_an_uninterrupted_one_do
     lines = (killed / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line)["step"] for line in lines if "eval" not in line]
     assert steps == [1, 2, 3, 4, 5, 6]  # a killed run's lines past its checkpoint are dropped
+    _exported_weights_run_in_timm_as_in_twinstep(whole)
     # refused: the same RUN_DIR with another setting
     other = subprocess.run(_train(killed, "--seed", "1"), capture_output=True, text=True,
                            timeout=300)
     assert other.returncode == 2 and other.stderr.count("\n") == 1
     assert "seed = 0" in other.stderr
+
+
+def _exported_weights_run_in_timm_as_in_twinstep(run_dir):
+    """`twinstep export` (both formats) loads into timm, whose eval logits on the val images are
+    twinstep's to f32 precision (1e-4 relative); a K-class classifier included."""
+    import timm
+    import torch
+
+    from twinstep import program
+    from twinstep.compare import rel
+    from twinstep.nets import mobilenetv4
+
+    state = load_state(run_dir)
+    x = digits.split("val", 32)[0][:16]
+    ours = program.eval_program(mobilenetv4, "f32")(state["params"], state["buffers"], x)
+    done = subprocess.run([sys.executable, "-m", "twinstep.cli", "export", str(run_dir)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for path in (done.stdout.strip(), export(str(run_dir), "pth")):
+        model = timm.create_model(mobilenetv4.TIMM_NAME, num_classes=digits.CLASSES,
+                                  pretrained=True, pretrained_cfg_overlay=dict(
+                                      file=path, num_classes=digits.CLASSES)).eval()
+        with torch.no_grad():
+            theirs = model(torch.from_numpy(x).permute(0, 3, 1, 2).contiguous()).numpy()
+        assert rel(theirs, ours) <= 1e-4, (path, rel(theirs, ours))
 
 
 @pytest.mark.slow

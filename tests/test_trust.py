@@ -166,6 +166,8 @@ def bad_inputs(tmp):
         (["train", "mnv4in_adamdp", "--out", out, "--data", "cifar"], "invalid choice"),
         (["train", "mnv4in_adamdp", "--out", out, "--steps", "0"], "must be >= 1"),
         (["train", "mnv4in_lambfoo", "--out", out], "unknown token 'foo'"),
+        (["export", out], "no checkpoints/"),
+        (["export", out, "--format", "onnx"], "invalid choice"),
     ]
 
 

@@ -92,6 +92,7 @@ HELP = {  # each command's line in 'twinstep --help'
     "tie": "the R-replica sync-BN step against the single-device step at R*N",
     "render": "export a recipe's whole train step to StableHLO (jax.export)",
     "train": "train a recipe with its tied step: data, checkpoints, evaluation, logs",
+    "export": "a training run's weights as a timm state dict (.safetensors or .pth)",
 }
 
 
@@ -547,12 +548,36 @@ def run_train(args, parser) -> int:
     return 0
 
 
+def add_export(sub) -> None:
+    e = sub.add_parser(
+        "export", help=HELP["export"],
+        description="Write a 'twinstep train' run's latest weights — parameters and BN running "
+                    "statistics, or their EMA — as a float32 state dict in timm's names, which "
+                    "timm.create_model(TIMM_NAME, num_classes=K, pretrained=True, "
+                    "pretrained_cfg_overlay=dict(file=PATH, num_classes=K)) loads (K in the "
+                    "overlay too: else timm drops a classifier that is not 1000 wide). Exit 0 "
+                    "when written, 2 on bad usage.")
+    e.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder ('twinstep train --out')")
+    e.add_argument("--format", choices=("safetensors", "pth"), default="safetensors",
+                   help="default safetensors")
+    e.add_argument("--ema", action="store_true", help="the EMA weights (recipes with 'ema')")
+    e.add_argument("--out", metavar="FILE", help="default RUN_DIR/model[_ema].FORMAT")
+
+
+def run_export(args, parser) -> int:
+    """Export a training run's weights for timm."""
+    from twinstep import trainer
+
+    print(trainer.export(args.run_dir, args.format, args.ema, args.out))
+    return 0
+
+
 # ------------------------------------------------------------------------------- dispatch
 
 COMMANDS = {"certify": (add_certify, run_certify), "info": (add_info, run_info),
             "recipe": (add_recipe, run_recipe), "parity": (add_parity, run_parity),
             "tie": (add_tie, run_tie), "render": (add_render, run_render),
-            "train": (add_train, run_train)}
+            "train": (add_train, run_train), "export": (add_export, run_export)}
 
 
 def build_parser(argv=None) -> argparse.ArgumentParser:

@@ -97,14 +97,53 @@ class TrainConfig:
 
 def load_state(run_dir: str, step: int | None = None):
     """A checkpoint of RUN_DIR (the latest by default) as saved — nested dicts of NumPy arrays in
-    their own dtypes (float64 too, whether or not JAX has x64 on)."""
+    their own dtypes (float64 too, whether or not JAX has x64 on) — in any process, whatever
+    devices the run had."""
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.path.join(run_dir, "checkpoints"))
-    with runtime.jax_settings(jax_enable_x64=True), ocp.CheckpointManager(path) as m:
-        tree = m.restore(step if step is not None else m.latest_step(),
-                         args=ocp.args.StandardRestore())
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with runtime.jax_settings(jax_enable_x64=True), ocp.CheckpointManager(
+            path, item_handlers=ocp.StandardCheckpointHandler()) as m:
+        step = m.latest_step() if step is None else step
+        meta = m.item_metadata(step)
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+                              getattr(meta, "tree", meta))
+        tree = m.restore(step, args=ocp.args.StandardRestore(target))
         return jax.tree.map(np.asarray, tree)
+
+
+FORMATS = ("safetensors", "pth")
+
+
+def export(run_dir: str, fmt: str = "safetensors", ema: bool = False,
+           out: str | None = None) -> str:
+    """Write RUN_DIR's latest weights — parameters and BN running statistics, or their EMA — as a
+    timm state dict (float32, timm's names) that ``timm.create_model(TIMM_NAME, num_classes=K,
+    pretrained=True, pretrained_cfg_overlay=dict(file=PATH, num_classes=K))`` loads (without K in
+    the overlay timm drops a classifier whose size is not its pretrained 1000). Returns the
+    path."""
+    from twinstep import weights
+
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown --format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        raise UsageError(f"{run_dir}: no checkpoints/ here (a RUN_DIR of 'twinstep train')")
+    state = load_state(run_dir)
+    if ema:
+        if not state.get("ema"):
+            raise UsageError(f"{run_dir}: this run has no EMA (its recipe has no 'ema' token)")
+        averaged = state["ema"]
+        params, buffers = averaged if isinstance(averaged, (list, tuple)) else (
+            averaged["0"], averaged["1"])
+    else:
+        params, buffers = state["params"], state["buffers"]
+    path = out or os.path.join(run_dir, f"model{'_ema' if ema else ''}.{fmt}")
+    if not path.endswith("." + fmt):
+        raise UsageError(f"--out {path}: a .{fmt} file name for --format {fmt}")
+    files.check_writable_file(path, "--out")
+    weights.save(path, {k: np.asarray(v, np.float32) for k, v in {**params, **buffers}.items()})
+    return path
 
 
 def _json_line(path: str, record: dict) -> None:

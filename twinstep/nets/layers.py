@@ -161,9 +161,9 @@ def near_init_bn(key, params: dict, branch_ends: tuple) -> dict:
     """timm's initialisation, nudged: every BN gamma 1 + 0.01 N(0, 1) and beta 0.01 N(0, 1); the
     last BN of each residual branch (``branch_ends``) gamma 1e-3 N(0, 1) — timm's zero_init_last
     moved just off zero, so that its branch has gradients while each block stays close to the
-    identity. A network in this state is as well conditioned as at the start of training: f32
-    sums moved by a reordering move the gradients by ~1e-5, where `randomize_bn`'s state moves
-    them by O(1) (docs/tie.md#f32)."""
+    identity. A network in this state is as well conditioned as at the start of training: a
+    reordered f32 batch moves its gradients by ~1e-6, where `randomize_bn`'s state moves them
+    by O(1) (docs/tie.md#f32)."""
     bns = bn_names({k: v.shape for k, v in params.items()})
     channels = {bn: params[bn + ".weight"].shape for bn in bns}
     dtype = params[bns[0] + ".weight"].dtype
