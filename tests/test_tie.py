@@ -69,7 +69,7 @@ def test_resnet50_ties_f64(replicas, loss):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("replicas,loss", matrix(
-    *[(r, lo) for r in (1, 2, 4) for lo in ("ce", "bce")], keep={(2, "ce"), (2, "bce")}))
+    *[(r, lo) for r in (1, 2, 4) for lo in ("ce", "bce")], keep={(2, "ce")}))
 def test_mnv4_ties_f64(replicas, loss):
     r = run(net="mnv4", replicas=replicas, loss=loss)
     assert_tied(r)
@@ -110,10 +110,10 @@ def test_every_control_breaks_the_tie(net, control):
 @pytest.mark.slow
 @pytest.mark.parametrize("net", sorted(COUNTS))
 def test_f32_ties_at_its_default_within_1e_3_and_sees_a_bug_of_a_few_percent(net):
-    """f32 at its defaults (near-init, R = 4, N = 4, the medians of three row orders): tied, every
-    bound at most 1e-3 — and replica 0 dividing its loss by N + 1 (every gradient off by about
-    1/(R(N+1)) = 5%) fails every tensor that is not a structural zero, by over 50 times its
-    bound."""
+    """f32 at its defaults (near-init, R = 4, N = 4, the batch and three nudges of it): tied,
+    every bound at most 1e-3 — and replica 0 dividing its loss by N + 1 (every gradient off by
+    about 1/(R(N+1)) = 5%) fails every tensor that is not a structural zero, by over 50 times its
+    bound at seed 0 (at least 45 over seeds 0-7: bench/RESULTS.md)."""
     r = run(net=net, precision="f32")
     assert (r.config.state, r.config.batch) == ("near-init", 4)
     assert_tied(r)
@@ -129,9 +129,6 @@ def test_f32_ties_at_its_default_within_1e_3_and_sees_a_bug_of_a_few_percent(net
 
 @pytest.mark.slow
 @ALL
-@pytest.mark.xfail(strict=True, reason="a known defect: from random-bn at f32's N = 4 the "
-                   "closest-batch SENSITIVITY underestimates the noise and 2 of 161 ResNet-50 "
-                   "tensors (layer3.3, 1.7e-3) read NOT tied; issue 13 stays open for it")
 def test_f32_from_random_bn_is_too_loose_to_conclude():
     """f32 from random BN (f64's state): every tensor within max(1e-4, 10 x SENSITIVITY) — and
     that bound is so loose (the single device's own f32 gradients move by up to O(1) under a
@@ -145,7 +142,7 @@ def test_f32_from_random_bn_is_too_loose_to_conclude():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("net", sorted(COUNTS))
+@pytest.mark.parametrize("net", ["resnet50", pytest.param("mnv4", marks=pytest.mark.all)])
 def test_bf16_ties_at_the_partial_sum_boundary(net):
     """bf16 (ties.tie_precision): every conv weight gradient within the bf16 boundary (docs/tie.md)
     elementwise, and that boundary is what separates the two programs — the error is of its
