@@ -26,13 +26,14 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	touch $@ $(VENV)/.installed-base
 
 # The main job: MobileNetV4 trained data-parallel (4 replicas) on the embedded digits with its
-# tied step, the op library's certification, then the data-parallel step tied to the
+# tied step (and its curves drawn), the op library's certification, then the data-parallel step tied to the
 # single-device step for each net and loss (verdict lines).
 DEMO_RUN := .demo/digits
 demo: $(VENV)/.installed-base
 	rm -rf $(DEMO_RUN)
 	$(BIN)/twinstep train mnv4in_adamdp16 --data digits --replicas 4 --steps 60 \
 		--eval-every 20 --out $(DEMO_RUN)
+	$(BIN)/twinstep plot $(DEMO_RUN)
 	$(BIN)/twinstep certify
 	@for net in $(DEMO_NETS); do for loss in ce bce; do \
 		echo "== twinstep tie $$net --loss $$loss"; \

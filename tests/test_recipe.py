@@ -198,7 +198,7 @@ def test_cli_table(capsys):
         assert piece in out
     assert main(["recipe", "rsb-a2"]) == 0
     out = capsys.readouterr().out
-    assert "resnet50in_lambdp256wxdropbcewd002" in out and "rep. aug 3" in out
+    assert "resnet50in_lambdp256wxdropbcewd002" in out and "rand-m6-mstd0.5-inc1" in out
 
 
 def test_cli_json(capsys):

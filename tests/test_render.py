@@ -406,3 +406,31 @@ def test_an_artifact_is_trusted_only_whole(example_f64, tmp_path):
                             str(tmp_path / "o.npz")], capture_output=True, text=True)
         assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert not (tmp_path / "o.npz").exists()
+
+
+@ON_EXAMPLE
+@pytest.mark.slow
+@pytest.mark.all
+def test_training_with_the_artifact_takes_the_python_steps(example_f64, tmp_path, monkeypatch):
+    """`twinstep train --artifact`: two steps of the render's deserialized program on the
+    digits end where two steps of the Python step do (the same recipe and schedule as
+    rendered), every parameter within the tie's f64 floor."""
+    from twinstep import api, recipes, trainer
+    from twinstep.compare import grad_err
+
+    _, paths = example_f64
+    common = {"replicas": 4, "batch": 2, "res": 32, "precision": "f64", "steps": 2,
+              "eval_every": 2, "ckpt_every": 2}
+    api.train(EXAMPLE, str(tmp_path / "artifact"), artifact=paths[".jaxexport"], **common)
+    monkeypatch.setattr(trainer.TrainConfig, "parsed_recipe",
+                        lambda self: recipes.parse(self.recipe))  # the render's schedule
+    api.train(EXAMPLE, str(tmp_path / "python"), **common)
+    a, b = (trainer.load_state(tmp_path / d) for d in ("artifact", "python"))
+    errors = [grad_err(k, a["params"], b["params"]) for k in b["params"]]
+    assert len(errors) == 161 and max(errors) <= 1e-10, max(errors)
+    assert int(a["step"]) == 2
+    # control: a third step of the Python run moves the parameters far beyond that floor
+    monkeypatch.setitem(common, "steps", 3)
+    api.train(EXAMPLE, str(tmp_path / "python3"), **common)
+    c = trainer.load_state(tmp_path / "python3")
+    assert max(grad_err(k, c["params"], b["params"]) for k in b["params"]) > 1e-6

@@ -152,19 +152,21 @@ def tie_artifact(path: str, steps: int | None = None, seed: int = 0, shift: bool
     return report
 
 
-def train(recipe: str, out: str, progress=None, **config) -> dict:
+def train(recipe: str, out: str, progress=None, warn=None, **config) -> dict:
     """Train recipe ``recipe`` (a name or preset) into RUN_DIR ``out`` with its tied step,
     continuing the run already there; returns the last evaluation ({"raw": {loss, top1, top5},
-    "ema": ...}). ``config``: the fields of `twinstep.train.TrainConfig` (data, replicas, batch,
-    res, steps, eval_every, ckpt_every, keep, log_every, precision, seed); ``progress(step,
-    metrics)`` is told of every step."""
+    "ema": ...}). ``config``: the fields of `twinstep.trainer.TrainConfig` (data — "digits" or
+    an image folder —, replicas, batch, res, steps or epochs, eval_every, ckpt_every, keep,
+    log_every, precision, seed, workers, randaugment, mixup, cutmix, init_from, artifact,
+    resume, fast_compile); ``progress(step, metrics)`` is told of every step, ``warn(text)``
+    once of images that do not decode."""
     from twinstep import files, trainer
 
     cfg = trainer.TrainConfig(recipe, out, **config)
     files.check_writable_folder(out, "--out")
     devices(cfg.replicas)
     with _x64(cfg.precision):
-        return trainer.run(cfg, progress)
+        return trainer.run(cfg, progress, warn)
 
 
 def render(name: str, replicas: int = 1, out: str | None = None, **config):

@@ -93,6 +93,7 @@ HELP = {  # each command's line in 'twinstep --help'
     "render": "export a recipe's whole train step to StableHLO (jax.export)",
     "train": "train a recipe with its tied step: data, checkpoints, evaluation, logs",
     "export": "a training run's weights as a timm state dict (.safetensors or .pth)",
+    "plot": "a training run's curves as a PNG (loss, lr, val top-1)",
 }
 
 
@@ -482,7 +483,7 @@ def run_render(args, parser) -> int:
 
 
 def add_train(sub) -> None:
-    from twinstep.trainer import DATASETS, PRECISIONS, TrainConfig
+    from twinstep.trainer import MAX_WORKERS, PRECISIONS, TrainConfig
 
     default = _defaults(TrainConfig)
     t = sub.add_parser(
@@ -494,25 +495,38 @@ def add_train(sub) -> None:
                     "  metrics.jsonl   a train line every --log-every steps (loss, lr, img/s), "
                     "an eval line\n                  at each evaluation (val loss, top-1, "
                     "top-5; raw and EMA weights)\n"
+                    "  tb/             the same as TensorBoard event files "
+                    "('twinstep plot RUN_DIR' draws them)\n"
                     "  checkpoints/    orbax: parameters, global BN statistics, optimizer "
                     "state, EMA, step\n\n"
                     "Re-running with the same --out continues the run from its latest "
                     "checkpoint, bit for bit as if never stopped (other settings are refused). "
                     "The data: 'digits', scikit-learn's bundled 1,797 handwritten digits "
-                    "(8x8, upsampled to --res; every sixth image is validation).\n\n"
+                    "(8x8, upsampled to --res; every sixth image is validation; not augmented), "
+                    "or an image folder DIR/train/<class>/*.jpg|png, DIR/val/<class>/... "
+                    "(classes sorted as torchvision's ImageFolder) read through timm's "
+                    "transforms: random-resized crop, flip, the recipe's RandAugment and "
+                    "mixup/CutMix for training; resize + centre crop (crop_pct 0.95) for "
+                    "evaluation. An image that does not decode is replaced by the next one "
+                    "(one warning, counted in metrics.jsonl). Each step's batch is a function of "
+                    "(--seed, step): --workers changes the speed, never the result.\n\n"
                     "Exit 0 when trained, 2 on bad usage, 3 on a non-finite loss or an "
                     "internal error (the last checkpoint stays), 130 interrupted.")
     t.add_argument("recipe", help="a recipe name or preset (see 'twinstep recipe'); a dp "
                                   "recipe for --replicas > 1")
-    t.add_argument("--data", choices=DATASETS, default=default["data"],
-                   help=f"the dataset (default {default['data']})")
+    t.add_argument("--data", default=default["data"], metavar="DIR|digits",
+                   help=f"an image folder, or the embedded digits (default {default['data']})")
     t.add_argument("--out", required=True, metavar="RUN_DIR", help="the run's folder (created)")
     _count(t, "--replicas", default["replicas"], f"replicas R (default {default['replicas']})",
            "R")
     _count(t, "--batch", None, "examples per replica (default: the recipe's N)", "N")
     _count(t, "--res", default["res"], f"input resolution (default {default['res']})")
-    _count(t, "--steps", default["steps"], f"optimizer steps (default {default['steps']}); "
-                                           "the warmup is the first tenth")
+    length = t.add_mutually_exclusive_group()
+    _count(length, "--steps", default["steps"], f"optimizer steps (default "
+                                                f"{default['steps']}); the warmup is the first "
+                                                "tenth, from timm's warmup lr 1e-5")
+    _count(length, "--epochs", None, "passes over the training images instead of --steps "
+                                     "(steps = ceil(E x images / (R N k)))", "E")
     for flag, what in (("eval_every", "evaluate on the val split every K steps and at the end"),
                        ("ckpt_every", "checkpoint every K steps and at the end"),
                        ("keep", "keep the last K checkpoints"),
@@ -522,6 +536,25 @@ def add_train(sub) -> None:
     t.add_argument("--precision", choices=PRECISIONS, default=default["precision"],
                    help=f"default {default['precision']}")
     _seed(t)
+    t.add_argument("--workers", type=_int_in(0, MAX_WORKERS + 1), default=default["workers"],
+                   metavar="W", help="loader processes decoding and augmenting images (default "
+                                     f"{default['workers']}: one background thread)")
+    t.add_argument("--randaugment", type=_int_in(0, 31), metavar="M",
+                   help="RandAugment rand-mM-mstd0.5-inc1 on an image folder (default: the "
+                        "recipe's, e.g. 7 for rsb-a1; none for a grammar name)")
+    for kind in ("mixup", "cutmix"):
+        t.add_argument(f"--{kind}", type=float, metavar="ALPHA",
+                       help=f"{kind}'s Beta alpha on an image folder, 0 off (default: the "
+                            "recipe's); with both on, one of the two per batch")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in RUN_DIR and refuse to start a new one (without it, "
+                        "a RUN_DIR holding a run is continued too)")
+    t.add_argument("--artifact", metavar="NAME.jaxexport",
+                   help="run a render's deserialized step instead of the Python one (its "
+                        "recipe, R, N, S and precision; its schedule as rendered)")
+    t.add_argument("--init-from", metavar="FILE", help="start from a timm state dict (.pth, "
+                   ".safetensors), e.g. to fine-tune; a classifier of another width is "
+                   "initialised afresh")
     t.add_argument("--fast-compile", action="store_true",
                    help="compile at XLA -O0: the same numerics, half the compile, a slower "
                         "step (for short runs)")
@@ -531,20 +564,24 @@ def run_train(args, parser) -> int:
     """Train a recipe into RUN_DIR; print the last evaluation."""
     from twinstep import api, report, trainer
 
-    config = {k: getattr(args, k) for k in ("data", "replicas", "batch", "res", "steps",
+    config = {k: getattr(args, k) for k in ("data", "replicas", "batch", "res", "steps", "epochs",
                                             "eval_every", "ckpt_every", "keep", "log_every",
-                                            "precision", "seed", "fast_compile")}
-    trainer.TrainConfig(args.recipe, args.out, **config)  # refuse before JAX starts
-    with report.train_progress(args.steps) as update:
+                                            "precision", "seed", "workers", "init_from",
+                                            "randaugment", "mixup", "cutmix", "artifact",
+                                            "resume", "fast_compile")}
+    cfg = trainer.TrainConfig(args.recipe, args.out, **config)  # refuse before JAX starts
+    with report.train_progress(cfg.steps) as update:
         try:
-            result = api.train(args.recipe, args.out, progress=update, **config)
+            result = api.train(args.recipe, args.out, progress=update,
+                               warn=lambda text: print(f"warning: {text}", file=sys.stderr),
+                               **config)
         except trainer.NonFinite as e:
             print(f"twinstep train: {e}", file=sys.stderr)
             return 3
     for weights, m in result.items():
         print(f"val ({weights}): top-1 {m['top1']:.2%}, top-5 {m['top5']:.2%}, "
               f"loss {m['loss']:.4f}")
-    print(f"run: {args.out} (metrics.jsonl, checkpoints/)")
+    print(f"run: {args.out} (metrics.jsonl, tb/, checkpoints/)")
     return 0
 
 
@@ -572,12 +609,31 @@ def run_export(args, parser) -> int:
     return 0
 
 
+def add_plot(sub) -> None:
+    p = sub.add_parser(
+        "plot", help=HELP["plot"],
+        description="Draw a 'twinstep train' run's curves — train loss, learning rate, val top-1 "
+                    "of the raw and EMA weights — from RUN_DIR/metrics.jsonl into a PNG. Exit 0 "
+                    "when written, 2 on bad usage.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder ('twinstep train --out')")
+    p.add_argument("--out", metavar="FILE", help="default RUN_DIR/curves.png")
+
+
+def run_plot(args, parser) -> int:
+    """Plot a training run's metrics."""
+    from twinstep import runlog
+
+    print(runlog.plot(args.run_dir, args.out))
+    return 0
+
+
 # ------------------------------------------------------------------------------- dispatch
 
 COMMANDS = {"certify": (add_certify, run_certify), "info": (add_info, run_info),
             "recipe": (add_recipe, run_recipe), "parity": (add_parity, run_parity),
             "tie": (add_tie, run_tie), "render": (add_render, run_render),
-            "train": (add_train, run_train), "export": (add_export, run_export)}
+            "train": (add_train, run_train), "export": (add_export, run_export),
+            "plot": (add_plot, run_plot)}
 
 
 def build_parser(argv=None) -> argparse.ArgumentParser:

@@ -5,3 +5,4 @@ answers at once."""
 LABEL_SMOOTHING = 0.1  # CE's label smoothing unless a recipe names another (timm's default)
 EMA_DECAY = 0.9999  # timm's ModelEmaV3 decay
 EMA_WARMUPS = ("none", "timm", "tf")  # the EMA decay's warmup curves (twinstep.ema)
+WARMUP_LR = 1e-5  # `twinstep train`'s lr at step 0, the warmup's start (timm's --warmup-lr)

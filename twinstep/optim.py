@@ -111,7 +111,7 @@ def make_optimizer(kind: str, learning_rate, weight_decay: float, wx: bool, clip
 
 def recipe_schedule(recipe) -> optax.Schedule:
     """A recipe's learning rate per optimizer step (`lr_schedule`)."""
-    return lr_schedule(recipe.lr, recipe.warmup_steps, recipe.total_steps)
+    return lr_schedule(recipe.lr, recipe.warmup_steps, recipe.total_steps, recipe.warmup_lr)
 
 
 def for_recipe(recipe, params: dict) -> optax.GradientTransformation:

@@ -83,8 +83,13 @@ class Recipe:
     ema_warmup: str = "none"  # none | timm | tf (docs/recipes.md)
     warmup_steps: int = 10
     total_steps: int = 100
+    warmup_lr: float = 0.0  # lr(0); `twinstep train` uses timm's --warmup-lr (defaults.WARMUP_LR)
     epochs: int | None = None
-    augment: str = ""  # informational only
+    # augmentation (`twinstep train --data DIR`; the embedded digits are not augmented)
+    randaugment: int | None = None  # M of timm's rand-m{M}-mstd0.5-inc1; None: off
+    mixup: float = 0.0  # mixup's Beta alpha; 0: off
+    cutmix: float = 0.0  # CutMix's Beta alpha; 0: off (both on: one of them per batch, p 0.5)
+    repeated_aug: int = 1  # timm's repeated-augmentation count: recorded, not applied
 
     def __post_init__(self):
         def fail(msg):
@@ -106,24 +111,28 @@ class Recipe:
         if self.drop_path_rate is None:
             put("drop_path_rate", DEFAULT_DROP_PATH[self.net])
         for field in ("label_smoothing", "weight_decay", "lr", "drop_path_rate", "dropout_rate",
-                      "bce_threshold", "ema_decay"):
+                      "bce_threshold", "ema_decay", "warmup_lr", "mixup", "cutmix"):
             value = getattr(self, field)
             if value is not None:
                 put(field, float(value) + 0.0)  # ints to floats, -0.0 to 0.0
         for field, low in (("res", 1), ("accum", 1), ("batch", 1), ("warmup_steps", 0),
-                           ("total_steps", 1), ("epochs", 1)):
+                           ("total_steps", 1), ("epochs", 1), ("randaugment", 0),
+                           ("repeated_aug", 1)):
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < low):
                 fail(f"{field} = {value!r}; expected an int >= {low}")
         for field, low, high in (("label_smoothing", 0, 1), ("weight_decay", 0, 10),
                                  ("drop_path_rate", 0, 1), ("dropout_rate", 0, 1),
-                                 ("bce_threshold", 0, 1), ("ema_decay", 0, 1)):
+                                 ("bce_threshold", 0, 1), ("ema_decay", 0, 1),
+                                 ("mixup", 0, 100), ("cutmix", 0, 100)):
             value = getattr(self, field)
             if value is not None and not low <= value < high:
                 fail(f"{field} = {value!r}; expected {low} <= {field} < {high}")
         if not self.lr > 0:
             fail(f"lr = {self.lr!r}; expected > 0")
+        if not 0 <= self.warmup_lr <= self.lr:
+            fail(f"warmup_lr = {self.warmup_lr!r}; expected 0 <= warmup_lr <= lr")
         if self.warmup_steps > self.total_steps:
             fail(f"warmup_steps {self.warmup_steps} > total_steps {self.total_steps}")
 
@@ -351,16 +360,16 @@ def _preset(epochs: int, global_batch: int, replicas: int = 8, **fields) -> Reci
 PRESETS: dict[str, Recipe] = {
     "rsb-a1": _preset(600, 2048, net="resnet50", optimizer="lamb", lr=5e-3, weight_decay=0.01,
                       bce=True, bce_threshold=0.2, label_smoothing=0.1, drop=True,
-                      drop_path_rate=0.05, augment="mixup .2, RandAug m7, rep. aug 3"),
+                      drop_path_rate=0.05, mixup=0.2, randaugment=7, repeated_aug=3),
     "rsb-a2": _preset(300, 2048, net="resnet50", optimizer="lamb", lr=5e-3, weight_decay=0.02,
                       bce=True, bce_threshold=0.2, drop=True, drop_path_rate=0.05,
-                      augment="mixup .1, cutmix 1, RandAug m6 mstd .5, rep. aug 3"),
+                      mixup=0.1, cutmix=1.0, randaugment=6, repeated_aug=3),
     "rsb-a3": _preset(100, 2048, net="resnet50", res=160, optimizer="lamb", lr=8e-3,
                       weight_decay=0.02, bce=True,
-                      augment="mixup .1, cutmix 1, RandAug m6 mstd .5"),
+                      mixup=0.1, cutmix=1.0, randaugment=6),
     "mnv4-conv-m": _preset(500, 4096, net="mnv4", optimizer="adamw", lr=4e-3, weight_decay=0.1,
                            label_smoothing=0.1, drop=True, drop_path_rate=0.075, dropout=True,
-                           dropout_rate=0.2, augment="RandAug m15"),
+                           dropout_rate=0.2, randaugment=15),
 }
 
 REFERENCE_NAMES = (
@@ -420,6 +429,11 @@ def describe(recipe: Recipe, replicas: int | None = None) -> list[tuple[str, str
         ("warmup_steps", f"{r.warmup_steps:,} (linear)"),
         ("total_steps", f"{r.total_steps:,} (cosine)"),
         ("epochs", "-" if r.epochs is None else str(r.epochs)),
-        ("augment", r.augment or "-"),
+        ("warmup_lr", f"{r.warmup_lr:g}"),
+        ("randaugment", "-" if r.randaugment is None else f"rand-m{r.randaugment}-mstd0.5-inc1"),
+        ("mixup", f"alpha {r.mixup:g}" if r.mixup else "-"),
+        ("cutmix", f"alpha {r.cutmix:g}" if r.cutmix else "-"),
+        ("repeated_aug", "-" if r.repeated_aug == 1
+         else f"{r.repeated_aug} (recorded; twinstep train does not repeat)"),
     ]
     return rows

@@ -1,12 +1,13 @@
 """`twinstep train`: the recipe's tied step (`program.train_program`, the program `twinstep tie
 --recipe` checks) looped over real data, with checkpoints, evaluation and logs.
 
-A run lives in RUN_DIR: ``config.json`` (the resolved configuration), ``metrics.jsonl`` (a train
-line every ``log_every`` steps, an eval line at each evaluation), ``checkpoints/`` (orbax, the
-last ``keep``). Everything a step depends on — parameters, global BN running statistics,
-optimizer state, EMA, the step count — is in the checkpoint; the batch and the step's key are
-functions of (seed, step) (`twinstep.data.batches`), so a run resumed from any checkpoint
-continues bit for bit as the uninterrupted run would have.
+A run lives in RUN_DIR: ``config.json`` (the resolved configuration), ``metrics.jsonl`` and
+``tb/`` (a train record every ``log_every`` steps, an eval record at each evaluation:
+`twinstep.runlog`), ``checkpoints/`` (orbax, the last ``keep``). Everything a step depends on —
+parameters, global BN running statistics, optimizer state, EMA, the step count — is in the
+checkpoint; the batch, its augmentation and the step's key are functions of (seed, step)
+(`twinstep.data.loader`), so a run resumed from any checkpoint continues bit for bit as the
+uninterrupted run would have, with any number of loader workers.
 """
 
 from __future__ import annotations
@@ -22,15 +23,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from twinstep import dp, files, program, recipes, runtime
-from twinstep.data import batches, digits
+from twinstep.data import loader
+from twinstep.defaults import WARMUP_LR
 from twinstep.errors import UsageError
 from twinstep.nets import get_net, layers
 from twinstep.ops.precision import NAMES as PRECISIONS
 from twinstep.ops.precision import get_precision
 
-DATASETS = ("digits",)
-# what must match for a RUN_DIR to be continued: anything else changes the trajectory
-RESUME_FIELDS = ("recipe", "data", "replicas", "batch", "res", "steps", "precision", "seed")
+# what must match for a RUN_DIR to be continued: anything else changes the trajectory (the
+# number of loader workers does not, nor the topology: R and N may change at the same R N, and
+# the recipe's name with N — its other fields must match, `_check_run_dir`)
+RESUME_FIELDS = ("data", "res", "steps", "precision", "seed", "init_from", "randaugment",
+                 "mixup", "cutmix", "artifact")
+# what a render fixes, which a run with --artifact must give alike
+ARTIFACT_FIELDS = ("recipe", "replicas", "batch", "res", "precision")
+AUGMENT_FIELDS = ("randaugment", "mixup", "cutmix")  # the recipe's, unless given
+MAX_WORKERS = 64
+INIT_FORMATS = (".safetensors", ".pth", ".pt")
 
 
 class NonFinite(RuntimeError):
@@ -43,22 +52,39 @@ class TrainConfig:
 
     recipe: str
     out: str
-    data: str = "digits"
+    data: str = "digits"  # or an image folder: DIR/train/<class>/..., DIR/val/<class>/...
     replicas: int = 1
     batch: int | None = None  # per replica; None: the recipe's
     res: int = 32
     steps: int = 200
+    epochs: int | None = None  # given: steps = ceil(epochs x train images / (R N k))
     eval_every: int = 50
     ckpt_every: int = 50
     keep: int = 2
     log_every: int = 10
     precision: str = "f32"
     seed: int = 0
+    workers: int = 0  # loader processes (0: a background thread); results do not depend on it
+    randaugment: int | None = None  # these three: None keeps the recipe's (recipes.Recipe)
+    mixup: float | None = None
+    cutmix: float | None = None
+    init_from: str | None = None  # a timm state dict (.pth / .safetensors) to start from
+    artifact: str | None = None  # a render's NAME.jaxexport to run instead of the Python step
+    resume: bool = False  # insist on continuing: refuse a RUN_DIR that holds no run
     fast_compile: bool = False  # dp.FAST_COMPILE: the same numerics, compiled at -O0
 
     def __post_init__(self):
-        if self.data not in DATASETS:
-            raise UsageError(f"--data {self.data!r}: only the embedded {DATASETS} so far")
+        if self.data != "digits" and not os.path.isdir(self.data):
+            raise UsageError(f"--data {self.data}: no such directory (or 'digits', the "
+                             f"embedded set)")
+        if not 0 <= self.workers <= MAX_WORKERS:
+            raise UsageError(f"--workers must be in [0, {MAX_WORKERS}], got {self.workers}")
+        if self.init_from is not None:
+            if not self.init_from.endswith(INIT_FORMATS):
+                raise UsageError(f"--init-from {self.init_from}: a timm state dict "
+                                 f"({', '.join(INIT_FORMATS)})")
+            if not os.path.isfile(self.init_from):
+                raise UsageError(f"--init-from {self.init_from}: no such file")
         if self.precision not in PRECISIONS:
             raise UsageError(f"unknown --precision {self.precision!r}; choose from "
                              f"{', '.join(PRECISIONS)}")
@@ -80,13 +106,50 @@ class TrainConfig:
             raise UsageError(f"{self.recipe} has no 'dp' token: it trains on one device; "
                              f"use a dp recipe for --replicas {self.replicas}")
         object.__setattr__(self, "batch", self.batch or recipe.batch)
+        if self.artifact is not None:
+            self._check_artifact()
+        if self.epochs is not None:
+            if self.epochs < 1:
+                raise UsageError(f"--epochs must be >= 1, got {self.epochs}")
+            per_step = self.rows * recipe.accum
+            object.__setattr__(self, "steps", -(-self.epochs * loader.train_size(self.data)
+                                                // per_step))
+
+    def _check_artifact(self) -> None:
+        """The render's manifest (NAME.json beside it) against this run: a render fixes its
+        recipe, R, N, S and precision."""
+        if not self.artifact.endswith(".jaxexport") or not os.path.isfile(self.artifact):
+            raise UsageError(f"--artifact {self.artifact}: a NAME.jaxexport file from "
+                             f"'twinstep render'")
+        try:
+            with open(self.artifact[:-len(".jaxexport")] + ".json") as f:
+                manifest = json.load(f)
+            given = {"recipe": manifest["name"], "replicas": manifest["replicas"],
+                     "batch": manifest["batch"], "res": manifest["res"],
+                     "precision": manifest["precision"]}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"--artifact {self.artifact}: cannot read its manifest "
+                             f"({type(e).__name__})") from None
+        for field in ARTIFACT_FIELDS:
+            if given[field] != getattr(self, field):
+                raise UsageError(f"--artifact {self.artifact} was rendered with {field} = "
+                                 f"{given[field]!r}, this run has {getattr(self, field)!r}")
+        if self.randaugment or self.mixup or self.cutmix or self.epochs:
+            raise UsageError("--artifact runs the render's schedule and the recipe's "
+                             "augmentation: drop --epochs, --randaugment, --mixup, --cutmix")
 
     def parsed_recipe(self) -> recipes.Recipe:
-        """The recipe with this run's overrides: its N, its length, a warmup of a tenth."""
+        """The recipe with this run's overrides: its N, its length, a warmup of a tenth from
+        timm's warmup lr. With --artifact, the rendered recipe as it is: the render holds its
+        schedule."""
+        if self.artifact is not None:
+            return recipes.parse(self.recipe)
         try:
             r = recipes.parse(self.recipe)
+            given = {f: getattr(self, f) for f in AUGMENT_FIELDS if getattr(self, f) is not None}
             return dataclasses.replace(r, batch=self.batch or r.batch, total_steps=self.steps,
-                                       warmup_steps=self.steps // 10)
+                                       warmup_steps=self.steps // 10,
+                                       warmup_lr=min(WARMUP_LR, r.lr), **given)
         except recipes.RecipeError as e:
             raise UsageError(str(e)) from None
 
@@ -146,96 +209,179 @@ def export(run_dir: str, fmt: str = "safetensors", ema: bool = False,
     return path
 
 
-def _json_line(path: str, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def _truncate_metrics(path: str, step: int) -> None:
-    """Drop the lines a killed run wrote after the checkpoint it resumes from."""
-    if os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if json.loads(line)["step"] <= step]
-        files.publish({path: "".join(kept).encode()})
-
-
 def _check_run_dir(cfg: TrainConfig) -> bool:
     """Whether RUN_DIR holds a run to continue; refuses one trained with other settings."""
     path = os.path.join(cfg.out, "config.json")
     if not os.path.exists(path):
+        if cfg.resume:
+            raise UsageError(f"--resume: {cfg.out} holds no run to continue")
         os.makedirs(cfg.out, exist_ok=True)
         return False
     with open(path) as f:
         old = json.load(f)
-    for field in RESUME_FIELDS:
-        if old.get(field) != getattr(cfg, field):
-            raise UsageError(f"{cfg.out} holds a run with {field} = {old.get(field)!r}, not "
-                             f"{getattr(cfg, field)!r}: use another --out to start a new run")
+    new = {**dataclasses.asdict(cfg), "resolved_recipe": _as_json(
+        dataclasses.asdict(cfg.parsed_recipe()))}
+    # the topology may change (R x N at the same global batch: the tied step is the same
+    # mathematics), so the recipe is compared field by field without N
+    old_recipe, new_recipe = ({k: v for k, v in c.get("resolved_recipe", {}).items()
+                               if k != "batch"} for c in (old, new))
+    changed = [(f, old.get(f), new[f]) for f in RESUME_FIELDS if old.get(f) != new[f]]
+    changed += [(f"recipe field {k}", old_recipe.get(k), v) for k, v in new_recipe.items()
+                if old_recipe.get(k) != v]
+    if changed:
+        field, was, now = changed[0]
+        raise UsageError(f"{cfg.out} holds a run with {field} = {was!r}, not {now!r}: use "
+                         f"another --out to start a new run")
+    rows = old.get("replicas", 0) * old.get("batch", 0)
+    if rows != cfg.rows:
+        raise UsageError(f"{cfg.out} holds a run at the global batch R N = {old.get('replicas')} x "
+                         f"{old.get('batch')} = {rows}; this one is {cfg.replicas} x {cfg.batch} "
+                         f"= {cfg.rows}: a run moves between topologies only at the same R N")
     return True
 
 
-def init_state(cfg: TrainConfig, net, prog):
-    """The step's state at step 0: timm's initialisation (zero-init last BN gammas)."""
+def _as_json(value):
+    """``value`` as it reads back from config.json (tuples as lists)."""
+    return json.loads(json.dumps(value))
+
+
+def init_state(cfg: TrainConfig, net, prog, classes: int):
+    """The step's state at step 0: timm's initialisation (zero-init last BN gammas), or
+    --init-from's weights — all of them but a classifier of another width, which keeps its
+    initialisation (fine-tuning to K classes, as timm resets it)."""
+    from twinstep import weights
+
     prec = get_precision(cfg.precision)
-    shapes = net.param_shapes(digits.CLASSES)
+    shapes = net.param_shapes(classes)
     params = layers.init_params(jax.random.key(cfg.seed), shapes, net.zero_init_bns(), prec.dtype)
-    return prog.init(params, layers.init_buffers(shapes, prec.dtype))
+    buffers = layers.init_buffers(shapes, prec.dtype)
+    if cfg.init_from is not None:
+        try:
+            loaded, loaded_buffers, k = weights.to_net(net, weights.load(cfg.init_from),
+                                                       prec.dtype)
+        except (KeyError, ValueError, OSError) as e:
+            raise UsageError(f"--init-from {cfg.init_from}: {str(e).splitlines()[0]}") from None
+        head = list(shapes)[-2:] if k != classes else []
+        params = {n: params[n] if n in head else jnp.asarray(loaded[n]) for n in shapes}
+        buffers = {n: jnp.asarray(v) for n, v in loaded_buffers.items()}
+    return prog.init(params, buffers)
 
 
-def evaluate(net, cfg: TrainConfig, state, eval_fn) -> dict:
-    """{"raw": {loss, top1, top5}, "ema": ...} over the whole val split: eval-mode BN, the last
-    batch padded and masked so every image counts once."""
-    images, labels = digits.split("val", cfg.res)
+def eval_placement(replicas: int) -> tuple:
+    """(weights, rows) shardings of a sharded evaluation: the weights on every replica, each
+    replica a contiguous 1/R of the rows (eval-mode BN reads no batch statistics, so nothing
+    crosses replicas and each row's logits are the single device's)."""
+    if replicas == 1:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return one, one
+    mesh = dp.mesh(replicas)
+    return (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(dp.AXIS)))
+
+
+def evaluate(src, cfg: TrainConfig, state, eval_fn) -> dict:
+    """{"raw": {loss, top1, top5}, "ema": ...} over the whole val split, sharded over the
+    replicas (`eval_placement`): eval-mode BN, the last batch padded and masked so every image
+    counts once (an image that does not decode is replaced by the next, `twinstep.data.loader`)."""
     dtype = get_precision(cfg.precision).dtype
-    out = {}
-    weights = {"raw": (state.params, state.buffers)}
-    if state.ema is not None:
-        weights["ema"] = state.ema
-    for name, (params, buffers) in weights.items():
-        params, buffers = jax.device_put((params, buffers), jax.devices()[0])
-        loss = top1 = top5 = 0.0
-        for x, y, valid in batches.eval_batches(images, labels, cfg.rows):
-            logits = np.asarray(eval_fn(params, buffers, jnp.asarray(x, dtype)), np.float64)
+    sums = {name: np.zeros(3) for name in ("raw", "ema")
+            if name == "raw" or state.ema is not None}
+    weights = {"raw": (state.params, state.buffers), "ema": state.ema}
+    on_all, by_rows = eval_placement(cfg.replicas)
+    placed = {n: jax.device_put(weights[n], on_all) for n in sums}
+    for x, y, valid, _ in loader.val_stream(src, cfg.rows, cfg.workers):
+        x = jax.device_put(jnp.asarray(x, dtype), by_rows)  # every weight set reads it
+        for name, (params, buffers) in placed.items():
+            logits = np.asarray(eval_fn(params, buffers, x), np.float64)
             logp = logits - logits.max(1, keepdims=True)
             logp -= np.log(np.exp(logp).sum(1, keepdims=True))
             rank = (logits > logits[np.arange(len(y)), y][:, None]).sum(1)
-            loss += float(-(logp[np.arange(len(y)), y] * valid).sum())
-            top1 += float(((rank < 1) & valid).sum())
-            top5 += float(((rank < 5) & valid).sum())
-        out[name] = {"loss": loss / len(labels), "top1": top1 / len(labels),
-                     "top5": top5 / len(labels)}
-    return out
+            sums[name] += [-(logp[np.arange(len(y)), y] * valid).sum(),
+                           ((rank < 1) & valid).sum(), ((rank < 5) & valid).sum()]
+    n = len(src.val_labels)
+    return {name: dict(zip(("loss", "top1", "top5"), (float(v) / n for v in s), strict=True))
+            for name, s in sums.items()}
 
 
-def run(cfg: TrainConfig, progress=None) -> dict:
-    """Train; returns the last evaluation. ``progress(step, metrics)`` is told of every step."""
+def _augment(src, recipe: recipes.Recipe) -> loader.Augment:
+    """The recipe's augmentation for an image folder; the digits are not augmented."""
+    if isinstance(src, loader.Digits):
+        return loader.Augment()
+    mixing = recipe.mixup > 0 or recipe.cutmix > 0
+    return loader.Augment(recipe.randaugment,
+                          loader.mix.MixParams(recipe.mixup, recipe.cutmix) if mixing else None)
+
+
+def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
+    """Train; returns the last evaluation. ``progress(step, metrics)`` is told of every step;
+    ``warn(text)`` once of images that do not decode."""
     import orbax.checkpoint as ocp
+
+    from twinstep.runlog import RunLog
 
     recipe = cfg.parsed_recipe()
     net = get_net(recipe.net)
     dtype = get_precision(cfg.precision).dtype
+    src = loader.source(cfg.data, cfg.res)  # a folder is scanned (and refused) before compiling
     resuming = _check_run_dir(cfg)
-    config = {**dataclasses.asdict(cfg), "net": recipe.net,
+    config = {**dataclasses.asdict(cfg), "net": recipe.net, "classes": src.classes,
+              "train_images": len(src.train_labels), "val_images": len(src.val_labels),
               "resolved_recipe": dataclasses.asdict(recipe)}
     files.publish({os.path.join(cfg.out, "config.json"): json.dumps(config, indent=1).encode()})
-    prog = program.train_program(net, recipe, digits.CLASSES, cfg.replicas, cfg.precision,
+    prog = program.train_program(net, recipe, src.classes, cfg.replicas, cfg.precision,
                                  fast_compile=cfg.fast_compile)
     eval_fn = program.eval_program(net, cfg.precision, cfg.fast_compile)
-    state = dp.replicate(init_state(cfg, net, prog), cfg.replicas)
+    state = dp.replicate(init_state(cfg, net, prog, src.classes), cfg.replicas)
+    if cfg.artifact is not None:
+        prog = _artifact_program(cfg, prog, src.classes)
     manager = ocp.CheckpointManager(os.path.abspath(os.path.join(cfg.out, "checkpoints")),
                                     options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep))
     if resuming and manager.latest_step() is not None:
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(target))
-    images, labels = digits.split("train", cfg.res)
-    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
-    last_eval: dict = {}
     start = int(state.step)
-    _truncate_metrics(metrics_path, start)
+    stream = loader.train_stream(src, _augment(src, recipe), cfg.seed, start, cfg.steps,
+                                 recipe.accum, cfg.rows, dtype, cfg.workers)
+    with RunLog(cfg.out, resume_step=start) as log:
+        try:
+            last_eval = _loop(cfg, recipe, src, prog, eval_fn, state, manager, stream, log,
+                              progress, warn or (lambda text: None))
+        finally:
+            stream.close()
+            manager.wait_until_finished()
+            manager.close()
+    return last_eval
+
+
+def _artifact_program(cfg: TrainConfig, prog, classes: int):
+    """``prog`` with its step replaced by the render's deserialized one (its hashes and
+    signature checked: `twinstep.renders.load`)."""
+    from twinstep import renders
+
+    try:
+        exported, manifest = renders.load(cfg.artifact)
+    except renders.RenderError as e:
+        raise UsageError(str(e)) from None
+    if manifest["classes"] != classes:
+        raise UsageError(f"--artifact {cfg.artifact} was rendered for {manifest['classes']} "
+                         f"classes; the data has {classes}")
+    return prog._replace(step=program.artifact_program(exported, manifest, cfg.fast_compile))
+
+
+def _loop(cfg, recipe, src, prog, eval_fn, state, manager, stream, log, progress, warn) -> dict:
+    """The steps from the state's to cfg.steps: step, log, evaluate, checkpoint."""
+    import orbax.checkpoint as ocp
+
+    start = int(state.step)
+    last_eval: dict = {}
+    skipped = 0
+    per_step = cfg.rows * recipe.accum
     t0 = time.perf_counter()  # from the end of the first step: it compiles
-    for s in range(start, cfg.steps):
-        xs, ts = batches.train_batch(images, labels, digits.CLASSES, cfg.seed, s, recipe.accum,
-                                     cfg.rows, dtype)
+    for s, (xs, ts, sk) in zip(range(start, cfg.steps), stream, strict=True):
+        if sk and not skipped:
+            warn(f"step {s + 1}: an image that does not decode was replaced by the next one "
+                 f"of its split (counted as 'skipped' in metrics.jsonl)")
+        skipped += sk
         key = jax.random.fold_in(jax.random.key(cfg.seed), s)
         state, m = prog.step(state, xs, ts, key)
         loss = float(m["loss"])
@@ -246,19 +392,17 @@ def run(cfg: TrainConfig, progress=None) -> dict:
         done = s + 1
         if done == start + 1:
             t0 = time.perf_counter()
-        record = {"step": done, "epoch": done * cfg.rows * recipe.accum / len(labels),
-                  "loss": loss, "lr": float(m["lr"]),
-                  "img_per_s": (done - start - 1) * cfg.rows * recipe.accum
+        record = {"step": done, "epoch": done * per_step / len(src.train_labels),
+                  "loss": loss, "lr": float(m["lr"]), "skipped": skipped,
+                  "img_per_s": (done - start - 1) * per_step
                   / max(time.perf_counter() - t0, 1e-9)}
         if done % cfg.log_every == 0 or done == cfg.steps:
-            _json_line(metrics_path, record)
+            log.train(record)
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            last_eval = evaluate(net, cfg, state, eval_fn)
-            _json_line(metrics_path, {"step": done, "eval": last_eval})
+            last_eval = evaluate(src, cfg, state, eval_fn)
+            log.eval(done, last_eval)
         if done % cfg.ckpt_every == 0 or done == cfg.steps:
             manager.save(done, args=ocp.args.StandardSave(state))
         if progress is not None:
             progress(done, {**record, **({"eval": last_eval} if last_eval else {})})
-    manager.wait_until_finished()
-    manager.close()
-    return last_eval or evaluate(net, cfg, state, eval_fn)
+    return last_eval or evaluate(src, cfg, state, eval_fn)

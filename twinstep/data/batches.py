@@ -24,19 +24,10 @@ def one_hot(labels: np.ndarray, classes: int, dtype) -> np.ndarray:
     return np.eye(classes, dtype=dtype)[labels]
 
 
-def train_batch(images: np.ndarray, labels: np.ndarray, classes: int, seed: int, step: int,
-                micro: int, rows: int, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(xs [k, R N, S, S, 3], ts [k, R N, K]) of step ``step``: k micro-batches of R N rows."""
-    idx = indices(seed, step, micro * rows, len(labels)).reshape(micro, rows)
-    return images[idx].astype(dtype), one_hot(labels[idx], classes, dtype)
-
-
-def eval_batches(images: np.ndarray, labels: np.ndarray, rows: int):
-    """The whole split in batches of ``rows``: (x [rows, ...], labels [rows], valid [rows]
-    bool); the last batch is padded with copies of image 0 and masked, so that every image counts
-    exactly once."""
-    for start in range(0, len(labels), rows):
-        idx = np.arange(start, start + rows)
-        valid = idx < len(labels)
-        idx = np.where(valid, idx, 0)
-        yield images[idx], labels[idx], valid
+def eval_rows(batch: int, rows: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset indices [rows], valid [rows] bool) of eval batch ``batch`` over a split of
+    ``size`` examples: the last batch is padded with copies of example 0 and masked, so that
+    every example counts exactly once."""
+    idx = np.arange(batch * rows, (batch + 1) * rows)
+    valid = idx < size
+    return np.where(valid, idx, 0), valid

@@ -13,9 +13,9 @@ import functools
 import numpy as np
 from PIL import Image
 
+from twinstep.data.transforms import MEAN, STD
+
 CLASSES = 10
-MEAN = np.array([0.485, 0.456, 0.406], np.float32)  # timm's IMAGENET_DEFAULT_MEAN
-STD = np.array([0.229, 0.224, 0.225], np.float32)  # timm's IMAGENET_DEFAULT_STD
 VAL_EVERY = 6
 
 
@@ -35,10 +35,20 @@ def _upsample(images: np.ndarray, res: int) -> np.ndarray:
     return ((out[..., None] - MEAN) / STD).astype(np.float32)
 
 
+def _keep(name: str, count: int) -> np.ndarray:
+    val = np.arange(count) % VAL_EVERY == 0
+    return val if name == "val" else ~val
+
+
+def labels(name: str) -> np.ndarray:
+    """The labels [n] int32 of "train" or "val"."""
+    all_labels = _raw()[1]
+    return all_labels[_keep(name, len(all_labels))]
+
+
 @functools.lru_cache(maxsize=4)
 def split(name: str, res: int) -> tuple[np.ndarray, np.ndarray]:
     """(images [n, S, S, 3] float32, labels [n] int32) of "train" or "val"."""
-    images, labels = _raw()
-    val = np.arange(len(labels)) % VAL_EVERY == 0
-    keep = val if name == "val" else ~val
-    return _upsample(images[keep], res), labels[keep]
+    images, all_labels = _raw()
+    keep = _keep(name, len(all_labels))
+    return _upsample(images[keep], res), all_labels[keep]
