@@ -83,14 +83,14 @@ def test_an_image_that_does_not_decode_is_replaced_by_the_next_and_counted(tree)
     with open(split.paths[1], "wb") as f:
         f.write(data[:len(data) // 2])  # a truncated JPEG
     src = loader.Folder(tree, 16)
-    x, labels, skipped = src.train_rows(np.array([0, 5]), 0, 0, 0, loader.Augment())
-    assert skipped == 2 and x.shape == (2, 16, 16, 3)
+    x, labels, skipped = src.train_rows(np.array([0, 5]), 0, 0, np.arange(2), loader.Augment())
+    assert skipped.tolist() == [2, 0] and x.shape == (2, 16, 16, 3)
     assert labels.tolist() == [split.labels[2], split.labels[5]]  # image 2 stood in for 0
     for path in split.paths:
         with open(path, "wb") as f:
             f.write(b"")
     with pytest.raises(UsageError, match="decodes"):
-        src.train_rows(np.array([3]), 0, 0, 0, loader.Augment())
+        src.train_rows(np.array([3]), 0, 0, np.arange(1), loader.Augment())
 
 
 def test_a_step_is_a_function_of_seed_and_step_whatever_the_workers(tree):
@@ -111,6 +111,12 @@ def test_a_step_is_a_function_of_seed_and_step_whatever_the_workers(tree):
     other = loader.train_batch(src, augment, 8, 0, 2, rows, np.float32)
     assert not np.array_equal(other[0], alone[0][0])
     assert np.any((alone[0][1] > 0) & (alone[0][1] < 1))
+    # a process loads only its rows (and decodes the rows they are mixed with): each of its rows
+    # is the row of the whole batch, bit for bit
+    whole = loader.train_batch(src, augment, 7, 1, 2, rows, np.float32)
+    for part in (slice(0, 2), slice(2, 4), slice(1, 2)):
+        x, t, _ = loader.train_batch(src, augment, 7, 1, 2, rows, np.float32, part)
+        assert np.array_equal(x, whole[0][:, part]) and np.array_equal(t, whole[1][:, part])
 
 
 def test_every_val_image_is_evaluated_once(tree):

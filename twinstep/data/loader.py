@@ -45,10 +45,12 @@ class Digits:
         self.val_labels = digits.split("val", res)[1]
         self.classes = digits.CLASSES
 
-    def train_rows(self, idx: np.ndarray, seed: int, step: int, first_row: int,
-                   augment: Augment) -> tuple[np.ndarray, np.ndarray, int]:
+    def train_rows(self, idx: np.ndarray, seed: int, step: int, row_ids: np.ndarray,
+                   augment: Augment) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(images, labels, images skipped per row) of dataset rows ``idx``, which are rows
+        ``row_ids`` of step ``step``'s batch (what seeds their augmentation)."""
         images, labels = digits.split("train", self.res)
-        return images[idx], labels[idx], 0
+        return images[idx], labels[idx], np.zeros(len(idx), np.int64)
 
     def val_rows(self, idx: np.ndarray) -> tuple[np.ndarray, int]:
         return digits.split("val", self.res)[0][idx], 0
@@ -74,15 +76,16 @@ class Folder:
                 return img, j, tried
         raise UsageError(f"no image of {len(split)} in this split decodes")
 
-    def train_rows(self, idx, seed, step, first_row, augment):
-        rows, labels, skipped = [], [], 0
-        for j, i in enumerate(idx):
+    def train_rows(self, idx, seed, step, row_ids, augment):
+        rows, labels, skipped = [], [], []
+        for i, row in zip(idx, row_ids, strict=True):
             img, used, tried = self._decoded(self.train, int(i))
-            rng = np.random.default_rng([seed, step, 0, first_row + j])
+            rng = np.random.default_rng([seed, step, 0, int(row)])
             rows.append(transforms.train_transform(img, self.res, rng, augment.randaugment))
             labels.append(self.train.labels[used])
-            skipped += tried
-        return transforms.normalize(np.stack(rows)), np.asarray(labels, np.int32), skipped
+            skipped.append(tried)
+        return (transforms.normalize(np.stack(rows)), np.asarray(labels, np.int32),
+                np.asarray(skipped, np.int64))
 
     def val_rows(self, idx):
         rows, skipped = [], 0
@@ -106,29 +109,38 @@ def source(data: str, res: int):
 
 
 def train_batch(src, augment: Augment, seed: int, step: int, micro: int, rows: int,
-                dtype) -> tuple[np.ndarray, np.ndarray, int]:
+                dtype, part: slice | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """(xs [k, R N, S, S, 3], ts [k, R N, K], images skipped) of step ``step``: k micro-batches
-    of R N rows, each mixed over its R N rows when the recipe mixes."""
+    of R N rows, each mixed over its R N rows when the recipe mixes. ``part``: only these rows
+    of each micro-batch (a process's own, `twinstep.hosts.local_rows`), each equal to its row
+    of the whole batch; a mix also decodes the rows they are mixed with."""
     idx = batches.indices(seed, step, micro * rows, len(src.train_labels)).reshape(micro, rows)
+    own = np.arange(rows)[part if part is not None else slice(None)]
+    need = own if augment.mix is None else np.union1d(own, rows - 1 - own)
     xs, ts, skipped = [], [], 0
     for m in range(micro):
-        x, labels, sk = src.train_rows(idx[m], seed, step, m * rows, augment)
+        x, labels, sk = src.train_rows(idx[m][need], seed, step, m * rows + need, augment)
+        at = np.searchsorted(need, own)  # own rows' places among the decoded
         if augment.mix is not None:
             lam, box = mix.draw(np.random.default_rng([seed, step, 1, m]), augment.mix,
                                 x.shape[1], x.shape[2])
-            x, t = mix.apply(x, labels, src.classes, lam, box)
+            mate = np.searchsorted(need, rows - 1 - own)
+            x, t = mix.apply_pairs(x[at], x[mate], labels[at], labels[mate], src.classes, lam,
+                                   box)
         else:
-            t = batches.one_hot(labels, src.classes, np.float32)
+            x, t = x[at], batches.one_hot(labels[at], src.classes, np.float32)
         xs.append(x)
         ts.append(t)
-        skipped += sk
+        skipped += int(sk[at].sum())
     return np.stack(xs).astype(dtype), np.stack(ts).astype(dtype), skipped
 
 
-def val_batch(src, rows: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def val_batch(src, rows: int, b: int,
+              part: slice | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """The b-th eval batch of ``rows``: (x, labels, valid, images skipped); the last batch is
-    padded and masked (`twinstep.data.batches.eval_rows`)."""
+    padded and masked (`twinstep.data.batches.eval_rows`). ``part``: only these rows."""
     idx, valid = batches.eval_rows(b, rows, len(src.val_labels))
+    idx, valid = idx[part or slice(None)], valid[part or slice(None)]
     x, skipped = src.val_rows(idx)
     return x, src.val_labels[idx], valid, skipped
 
@@ -176,16 +188,16 @@ def _owned(it):
             pool.join()
 
 
-def train_stream(src, augment, seed, start, stop, micro, rows, dtype, workers):
+def train_stream(src, augment, seed, start, stop, micro, rows, dtype, workers, part=None):
     """train_batch for the steps [start, stop), in order."""
-    return stream(functools.partial(_train_item, src, augment, seed, micro, rows, dtype),
+    return stream(functools.partial(_train_item, src, augment, seed, micro, rows, dtype, part),
                   start, stop, workers)
 
 
-def _train_item(src, augment, seed, micro, rows, dtype, step):
-    return train_batch(src, augment, seed, step, micro, rows, dtype)
+def _train_item(src, augment, seed, micro, rows, dtype, part, step):
+    return train_batch(src, augment, seed, step, micro, rows, dtype, part)
 
 
-def val_stream(src, rows: int, workers: int):
-    return stream(functools.partial(val_batch, src, rows), 0, val_batch_count(src, rows),
-                  workers)
+def val_stream(src, rows: int, workers: int, part: slice | None = None):
+    return stream(functools.partial(val_batch, src, rows, part=part), 0,
+                  val_batch_count(src, rows), workers)

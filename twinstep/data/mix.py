@@ -75,16 +75,27 @@ def apply(x: np.ndarray, labels: np.ndarray, classes: int, lam: float,
     """Mix x [B, H, W, C] float with its reverse along the batch: the CutMix box pasted from
     x[::-1] when `box` is given, else λ x + (1 - λ) x[::-1]. Returns (mixed x, same dtype,
     a new array; targets [B, classes] float32 = λ onehot(y) + (1 - λ) onehot(y[::-1]))."""
+    labels = np.asarray(labels)
+    return apply_pairs(x, x[::-1], labels, labels[::-1], classes, lam, box)
+
+
+def apply_pairs(x: np.ndarray, partner: np.ndarray, labels: np.ndarray,
+                partner_labels: np.ndarray, classes: int, lam: float,
+                box: Box | None) -> tuple[np.ndarray, np.ndarray]:
+    """`apply` for some rows of a batch: row i of x mixed with row i of ``partner`` (its row
+    B-1-i in the batch), element for element as `apply` mixes it — what a process that holds
+    only its own rows computes."""
     # a Python float stays weak in NumPy's promotion: float32 images are mixed in float32,
     # rounding as timm's tensor ops do (an np.float64 λ would promote them to float64)
     lam = float(lam)
     if box is not None:
         y_lo, y_hi, x_lo, x_hi = box
         out = x.copy()
-        out[:, y_lo:y_hi, x_lo:x_hi] = x[::-1, y_lo:y_hi, x_lo:x_hi]
+        out[:, y_lo:y_hi, x_lo:x_hi] = partner[:, y_lo:y_hi, x_lo:x_hi]
     elif lam == 1.0:
         out = x.copy()
     else:
-        out = x * lam + x[::-1] * (1.0 - lam)
+        out = x * lam + partner * (1.0 - lam)
     onehot = one_hot(np.asarray(labels), classes, np.float32)
-    return out, onehot * lam + onehot[::-1] * (1.0 - lam)
+    return out, onehot * lam + one_hot(np.asarray(partner_labels), classes, np.float32) * (
+        1.0 - lam)
