@@ -157,6 +157,7 @@ def _exported_weights_run_in_timm_as_in_twinstep(run_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.all  # make test: tests/test_hosts.py continues a 4-replica run on 2 and 1 x 8
 def test_two_replicas_train_what_one_device_trains_at_the_same_global_batch(tmp_path):
     """f64, 2 steps of SGD with momentum on digits: R = 2 x N = 4 against R = 1 x N = 8. Every
     parameter (a BN bias that is a structural zero against zero, `compare.grad_err`), every

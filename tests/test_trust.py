@@ -172,6 +172,16 @@ def bad_inputs(tmp):
         (["train", "mnv4in_lambfoo", "--out", out], "unknown token 'foo'"),
         (["export", out], "no checkpoints/"),
         (["export", out, "--format", "onnx"], "invalid choice"),
+        (["train", "mnv4in_adamdp", "--out", out, "--coordinator", "h:1"], "go together"),
+        (["tie", "mnv4", "--coordinator", "h", "--num-processes", "2", "--process-id", "0"],
+         "HOST:PORT"),
+        (["tie", "mnv4", "--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"],
+         "--process-id must be in [0, 2)"),
+        (["tie", "mnv4", "--num-processes", "0"], "must be >= 1"),
+        (["launch", "--local", "0", "--", "tie", "mnv4"], "must be >= 1"),
+        (["launch", "--local", "2", "--", "render", "x"], "launch runs one of train, tie"),
+        (["launch", "--local", "2", "--", "tie", "mnv4", "--process-id", "1"], "itself"),
+        (["launch", "--", "tie", "mnv4"], "--local"),
     ]
 
 

@@ -13,7 +13,7 @@ from twinstep.errors import UsageError
 
 __version__ = "0.1.0"
 API = ("tie", "tie_steps", "tie_artifact", "render", "load_artifact", "recipe", "get_net",
-       "devices", "train")
+       "devices", "train", "join")
 __all__ = ["UsageError", "__version__", *API]
 
 

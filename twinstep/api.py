@@ -37,19 +37,46 @@ def parse_recipe(name: str):
 recipe = parse_recipe  # twinstep.recipe(name)
 
 
+def join(coordinator: str | None = None, num_processes: int | None = None,
+         process_id: int | None = None, replicas: int = 1) -> None:
+    """Join JAX's multi-controller runtime as process ``process_id`` of ``num_processes``, the
+    coordinator (process 0) at ``coordinator`` HOST:PORT — or as the environment says (SLURM,
+    JAX_COORDINATOR_ADDRESS); with neither, stay one process. Call before JAX's first operation,
+    in every process; then `tie` and `train` run over every process's devices together
+    (`twinstep.hosts`). ``replicas``: how many replicas the processes will run together (on CPU
+    each process asks for its share of virtual devices). Raises `twinstep.errors.ClusterError`
+    when the runtime cannot be joined."""
+    from twinstep import dp, hosts
+
+    hosts.check_flags(coordinator, num_processes, process_id)
+    dp.ensure_devices(-(-replicas // (num_processes or 1)))  # before JAX starts, as joining is
+    hosts.initialize(coordinator, num_processes, process_id)
+
+
 def devices(replicas: int) -> None:
     """Make sure JAX has ``replicas`` devices: on CPU, ask for that many virtual devices, which
-    is possible only before JAX's first operation."""
+    is possible only before JAX's first operation. With several processes R is shared out
+    evenly (`twinstep.hosts.replica_devices`)."""
     import jax
 
-    from twinstep import dp
+    from twinstep import dp, hosts
 
     dp.ensure_devices(replicas)
+    if hosts.count() > 1:
+        hosts.replica_devices(replicas)  # refuses an R the processes cannot share
+        return
     have = len(jax.devices())
     if have < replicas:
         raise UsageError(
             f"{replicas} replicas need {replicas} devices and JAX has {have}: call twinstep "
             f"before any other JAX operation, or set JAX_NUM_CPU_DEVICES={replicas}")
+
+
+def _one_process(what: str) -> None:
+    from twinstep import hosts
+
+    if hosts.count() > 1:
+        raise UsageError(f"{what} runs in one process so far: drop the process flags")
 
 
 def _x64(precision: str):
@@ -84,6 +111,7 @@ def tie_steps(recipe: str, steps: int | None = None, progress=None, **config):
 
     net = config.pop("net", None) or parse_recipe(recipe).net
     cfg = ties.TieConfig(net=net, recipe=recipe, **config)
+    _one_process("a tie of whole steps (--recipe)")
     devices(cfg.replicas)
     with _x64(cfg.precision):
         return ties.run_steps_tie(cfg, steps=ties.STEPS if steps is None else steps,
@@ -133,6 +161,7 @@ def tie_artifact(path: str, steps: int | None = None, seed: int = 0, shift: bool
     recipe come from its manifest. Returns a `twinstep.ties.StepsReport`."""
     from twinstep import renders, ties
 
+    _one_process("a tie of an artifact")
     art = load_artifact(path)
     m = art.manifest
     if m["precision"] != "f64":
@@ -163,6 +192,8 @@ def train(recipe: str, out: str, progress=None, warn=None, **config) -> dict:
     from twinstep import files, trainer
 
     cfg = trainer.TrainConfig(recipe, out, **config)
+    if cfg.artifact is not None:
+        _one_process("training with --artifact")
     files.check_writable_folder(out, "--out")
     devices(cfg.replicas)
     with _x64(cfg.precision):

@@ -20,7 +20,7 @@ import sys
 import time
 
 from twinstep import __version__
-from twinstep.errors import UsageError
+from twinstep.errors import ClusterError, UsageError
 
 # ----------------------------------------------------------------------------- shared options
 
@@ -71,6 +71,28 @@ def _seed(p) -> None:
                    help="random seed, 0 <= seed < 2^31 (default 0)")
 
 
+def _cluster(p) -> None:
+    """The flags that join JAX's multi-controller runtime (`twinstep.hosts`)."""
+    g = p.add_argument_group(
+        "many processes", "one process per host (or 'twinstep launch --local P'), every process "
+        "given the same command with its own --process-id; without these flags a SLURM step or "
+        "JAX_COORDINATOR_ADDRESS is detected, else the run is one process. --replicas counts "
+        "the replicas of all processes together (a multiple of P).")
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="where process 0 serves the runtime's coordination (a free port on its "
+                        "host, reachable from every other host)")
+    _count(g, "--num-processes", None, "how many processes take part, P", "P")
+    g.add_argument("--process-id", type=_int_in(0), metavar="I",
+                   help="this process's number, 0 .. P-1 (0 writes the logs and reports)")
+
+
+def _join(args) -> None:
+    """Join the runtime the flags (or the environment) name, before JAX's first operation."""
+    from twinstep import api
+
+    api.join(args.coordinator, args.num_processes, args.process_id, args.replicas or 1)
+
+
 def _defaults(config_class) -> dict:
     """A config dataclass's field defaults: the CLI's defaults are the library's."""
     return {f.name: f.default for f in dataclasses.fields(config_class)}
@@ -94,6 +116,7 @@ HELP = {  # each command's line in 'twinstep --help'
     "train": "train a recipe with its tied step: data, checkpoints, evaluation, logs",
     "export": "a training run's weights as a timm state dict (.safetensors or .pth)",
     "plot": "a training run's curves as a PNG (loss, lr, val top-1)",
+    "launch": "run train or tie as P processes on this host, joined into one runtime",
 }
 
 
@@ -353,6 +376,7 @@ def add_tie(sub) -> None:
                         "deserialized program runs on R devices against the single-device "
                         "Python step, over --steps whole steps. Net, R, N, resolution, classes "
                         "and recipe come from the manifest")
+    _cluster(t)
 
 
 # the configuration an artifact's manifest fixes
@@ -365,7 +389,7 @@ _TIE_FIELDS = ("replicas", "batch", "res", "classes", "loss", "precision", "seed
 def run_tie(args, parser) -> int:
     """Tie the R-replica step (one gradient step, whole recipe steps, or a render's artifact)
     against the single-device step at R N."""
-    from twinstep import api, report, ties
+    from twinstep import api, hosts, report, ties
 
     if args.artifact is not None:
         if not args.artifact.endswith(".jaxexport"):
@@ -379,8 +403,10 @@ def run_tie(args, parser) -> int:
     elif args.steps is not None and args.recipe is None:
         parser.error("--steps needs --recipe (whole training steps)")
     config = {k: getattr(args, k) for k in _TIE_FIELDS if getattr(args, k) is not None}
+    _join(args)
+    primary = hosts.is_primary()  # only process 0 reports
     t0 = time.perf_counter()
-    with report.status("preparing the tie") as say:
+    with report.status("preparing the tie", quiet=not primary) as say:
         if args.artifact is not None:
             result = api.tie_artifact(args.artifact, args.steps, args.seed, args.shift,
                                       args.fast_compile, progress=say)
@@ -390,6 +416,9 @@ def run_tie(args, parser) -> int:
         else:
             result = api.tie(args.net, progress=say, **config)
     seconds = time.perf_counter() - t0
+    if not primary:  # ends with process 0, once it has reported (the launcher stops the rest
+        hosts.barrier("tie reported")  # of a run at its first non-zero exit)
+        return ties.EXIT_CODES[result.status]
     if args.artifact is None and args.recipe is None:
         report.tie_report(result, show_all=args.all, seconds=seconds)
     else:
@@ -398,6 +427,7 @@ def run_tie(args, parser) -> int:
         sha = api.read_manifest(args.artifact)["files"][os.path.basename(args.artifact)]
         print(f"artifact: {args.artifact} (sha256 {sha['sha256'][:16]}...)")
     _write_json(args.json, result.to_json())
+    hosts.barrier("tie reported")
     return ties.EXIT_CODES[result.status]
 
 
@@ -558,11 +588,12 @@ def add_train(sub) -> None:
     t.add_argument("--fast-compile", action="store_true",
                    help="compile at XLA -O0: the same numerics, half the compile, a slower "
                         "step (for short runs)")
+    _cluster(t)
 
 
 def run_train(args, parser) -> int:
     """Train a recipe into RUN_DIR; print the last evaluation."""
-    from twinstep import api, report, trainer
+    from twinstep import api, hosts, report, trainer
 
     config = {k: getattr(args, k) for k in ("data", "replicas", "batch", "res", "steps", "epochs",
                                             "eval_every", "ckpt_every", "keep", "log_every",
@@ -570,7 +601,9 @@ def run_train(args, parser) -> int:
                                             "randaugment", "mixup", "cutmix", "artifact",
                                             "resume", "fast_compile")}
     cfg = trainer.TrainConfig(args.recipe, args.out, **config)  # refuse before JAX starts
-    with report.train_progress(cfg.steps) as update:
+    _join(args)
+    primary = hosts.is_primary()  # process 0 shows the progress and the result
+    with report.train_progress(cfg.steps, quiet=not primary) as update:
         try:
             result = api.train(args.recipe, args.out, progress=update,
                                warn=lambda text: print(f"warning: {text}", file=sys.stderr),
@@ -578,6 +611,8 @@ def run_train(args, parser) -> int:
         except trainer.NonFinite as e:
             print(f"twinstep train: {e}", file=sys.stderr)
             return 3
+    if not primary:
+        return 0
     for weights, m in result.items():
         print(f"val ({weights}): top-1 {m['top1']:.2%}, top-5 {m['top5']:.2%}, "
               f"loss {m['loss']:.4f}")
@@ -627,13 +662,48 @@ def run_plot(args, parser) -> int:
     return 0
 
 
+def add_launch(sub) -> None:
+    from twinstep.launch import GRACE_S
+
+    p = sub.add_parser(
+        "launch", help=HELP["launch"], formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start P processes of a twinstep command on this host, joined into one "
+                    "JAX runtime (as 'torchrun --standalone' does): process i runs the command "
+                    "with --coordinator localhost:PORT --num-processes P --process-id i, and "
+                    "its output comes back prefixed [i]. For CPU runs that test a multi-host "
+                    "setup, or one process per GPU (--gpus-per-process). On several hosts, run "
+                    "the command on each host with the flags yourself, or under srun (README, "
+                    "'Many hosts').\n\n"
+                    "The first process to fail (non-zero exit, or killed) stops the others at "
+                    f"once — SIGTERM, SIGKILL after {GRACE_S} s — each named on stderr. Exit: 0 "
+                    "when every process ends with 0, else the failed process's status (a status "
+                    "outside the contract, or a signal, is 3); 130 interrupted.\n\n"
+                    "example: twinstep launch --local 2 -- train mnv4in_adamdp --data digits "
+                    "--replicas 4 --out run")
+    _count(p, "--local", None, "processes to start on this host", "P", required=True)
+    p.add_argument("--port", type=_int_in(1, 65536), metavar="PORT",
+                   help="the coordinator's port (default: a free one)")
+    _count(p, "--gpus-per-process", None, "give process i GPUs i*G .. (i+1)*G-1 "
+                                          "(JAX_LOCAL_DEVICE_IDS); default: JAX's choice", "G")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                   help="the twinstep command each process runs (train or tie)")
+
+
+def run_launch(args, parser) -> int:
+    """P processes of one command; the first failure stops the rest."""
+    from twinstep import launch
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    return launch.run(args.local, cmd, args.port, args.gpus_per_process)
+
+
 # ------------------------------------------------------------------------------- dispatch
 
 COMMANDS = {"certify": (add_certify, run_certify), "info": (add_info, run_info),
             "recipe": (add_recipe, run_recipe), "parity": (add_parity, run_parity),
             "tie": (add_tie, run_tie), "render": (add_render, run_render),
             "train": (add_train, run_train), "export": (add_export, run_export),
-            "plot": (add_plot, run_plot)}
+            "plot": (add_plot, run_plot), "launch": (add_launch, run_launch)}
 
 
 def build_parser(argv=None) -> argparse.ArgumentParser:
@@ -680,6 +750,9 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"twinstep {args.command}: {e}", file=sys.stderr)
         return 2
+    except ClusterError as e:
+        print(f"twinstep {args.command}: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print(f"twinstep {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from twinstep import hosts
 from twinstep.collectives import Replicas
 
 AXIS = "r"
@@ -28,8 +29,12 @@ def ensure_devices(count: int = VIRTUAL_CPU_DEVICES) -> None:
 
 
 def mesh(count: int) -> Mesh:
-    """A 1-D mesh over the first ``count`` devices (Auto axes: unsharded inputs are accepted)."""
+    """A 1-D mesh of ``count`` replicas (Auto axes: unsharded inputs are accepted): the first
+    ``count`` devices, or with several processes the first count / P of each
+    (`twinstep.hosts.replica_devices`)."""
     devices = jax.devices()
+    if hosts.count() > 1:
+        return Mesh(np.array(hosts.replica_devices(count)), (AXIS,))
     if count > len(devices):
         raise RuntimeError(
             f"{count} replicas need {count} devices; JAX sees {len(devices)}. On CPU, call "
@@ -44,6 +49,8 @@ def replicate(tree, count: int):
     would compile it twice (for a whole train step, most of a tie's time)."""
     if count == 1:
         return tree
+    if hosts.count() > 1:  # each process puts its own devices' copies
+        return hosts.placed(tree, NamedSharding(mesh(count), REPLICATED))
     # copied, never aliased with ``tree``'s buffers: a program may donate the replicated tree
     return jax.device_put(tree, NamedSharding(mesh(count), REPLICATED), may_alias=False)
 

@@ -5,3 +5,8 @@ environment error (exit 3)."""
 
 class UsageError(ValueError):
     """A request that cannot be done as asked: bad name, option, file or combination."""
+
+
+class ClusterError(RuntimeError):
+    """The multi-process runtime could not be joined (a coordinator port taken, a process that
+    never came): an environment error, exit 3 in one line."""

@@ -37,8 +37,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
-from twinstep import dp, program, recipes, runtime, step, synthetic
+from twinstep import dp, hosts, program, recipes, runtime, step, synthetic
 from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS, MASK_CONTROLS
 from twinstep.compare import grad_err, host, rel
 from twinstep.errors import UsageError
@@ -421,8 +422,20 @@ def _run_programs(cfg: TieConfig, net, prec: Precision, say) -> tuple:
     params, buffers, x, t = inputs
     say(f"the replica step, {cfg.replicas} replicas of N = {cfg.batch} (compiling, running)")
     replica = replica_program(net, cfg, prec)
-    reps = [replica(params, buffers, xi, t) for xi in _batches(cfg, x)]
+    reps = [_on_replicas(replica, cfg, params, buffers, xi, t) for xi in _batches(cfg, x)]
     return inputs, singles, reps, floors, _replicas_agree(*reps)
+
+
+def _on_replicas(replica, cfg: TieConfig, params, buffers, x, t):
+    """``replica(params, buffers, x, t)``. With several processes (`twinstep.hosts`) the inputs —
+    the same in every process — are placed on the replicas first, each process putting its
+    own devices' shards, and every output is gathered back whole into every process."""
+    if hosts.count() == 1:
+        return replica(params, buffers, x, t)
+    mesh = dp.mesh(cfg.replicas)
+    on_all, by_rows = (NamedSharding(mesh, spec) for spec in (dp.REPLICATED, dp.BATCH))
+    return hosts.gathered(hosts.run_together(replica, *hosts.placed((params, buffers), on_all),
+                                             *hosts.placed((x, t), by_rows)))
 
 
 def run_tie(cfg: TieConfig, net=None, progress=None) -> TieReport:
@@ -440,7 +453,8 @@ def run_tie(cfg: TieConfig, net=None, progress=None) -> TieReport:
     if prec.name == "bf16":
         say("the replicas' unrounded partial sums (the bf16 bound)")
         probe = dataclasses.replace(prec, round_weight_grads=False)
-        partials = replica_program(net, cfg, probe, collective=False)(params, buffers, x, t).grads
+        partials = _on_replicas(replica_program(net, cfg, probe, collective=False), cfg,
+                                params, buffers, x, t).grads
 
     def bound(floor, s):
         return max(floor, SENSITIVITY_FACTOR * s)

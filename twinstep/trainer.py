@@ -12,6 +12,7 @@ uninterrupted run would have, with any number of loader workers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twinstep import dp, files, program, recipes, runtime
+from twinstep import dp, files, hosts, program, recipes, runtime
 from twinstep.data import loader
 from twinstep.defaults import WARMUP_LR
 from twinstep.errors import UsageError
@@ -282,25 +283,29 @@ def eval_placement(replicas: int) -> tuple:
 def evaluate(src, cfg: TrainConfig, state, eval_fn) -> dict:
     """{"raw": {loss, top1, top5}, "ema": ...} over the whole val split, sharded over the
     replicas (`eval_placement`): eval-mode BN, the last batch padded and masked so every image
-    counts once (an image that does not decode is replaced by the next, `twinstep.data.loader`)."""
+    counts once (an image that does not decode is replaced by the next, `twinstep.data.loader`).
+    A process reads and scores its own replicas' rows; the sums are totalled over processes."""
     dtype = get_precision(cfg.precision).dtype
     sums = {name: np.zeros(3) for name in ("raw", "ema")
             if name == "raw" or state.ema is not None}
     weights = {"raw": (state.params, state.buffers), "ema": state.ema}
     on_all, by_rows = eval_placement(cfg.replicas)
-    placed = {n: jax.device_put(weights[n], on_all) for n in sums}
-    for x, y, valid, _ in loader.val_stream(src, cfg.rows, cfg.workers):
-        x = jax.device_put(jnp.asarray(x, dtype), by_rows)  # every weight set reads it
+    placed = {n: weights[n] if hosts.count() > 1 else jax.device_put(weights[n], on_all)
+              for n in sums}  # with several processes the state is on the replicas already
+    part = hosts.local_rows(cfg.rows)
+    for x, y, valid, _ in loader.val_stream(src, cfg.rows, cfg.workers, part):
+        x = hosts.global_array(np.asarray(x, dtype), by_rows, (cfg.rows, *x.shape[1:]))
         for name, (params, buffers) in placed.items():
-            logits = np.asarray(eval_fn(params, buffers, x), np.float64)
+            logits = hosts.local_rows_of(hosts.run_together(eval_fn, params, buffers, x),
+                                         part).astype(np.float64)
             logp = logits - logits.max(1, keepdims=True)
             logp -= np.log(np.exp(logp).sum(1, keepdims=True))
             rank = (logits > logits[np.arange(len(y)), y][:, None]).sum(1)
             sums[name] += [-(logp[np.arange(len(y)), y] * valid).sum(),
                            ((rank < 1) & valid).sum(), ((rank < 5) & valid).sum()]
     n = len(src.val_labels)
-    return {name: dict(zip(("loss", "top1", "top5"), (float(v) / n for v in s), strict=True))
-            for name, s in sums.items()}
+    return {name: dict(zip(("loss", "top1", "top5"), (float(v) / n for v in hosts.total(s)),
+                           strict=True)) for name, s in sums.items()}
 
 
 def _augment(src, recipe: recipes.Recipe) -> loader.Augment:
@@ -314,20 +319,22 @@ def _augment(src, recipe: recipes.Recipe) -> loader.Augment:
 
 def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     """Train; returns the last evaluation. ``progress(step, metrics)`` is told of every step;
-    ``warn(text)`` once of images that do not decode."""
+    ``warn(text)`` once of images that do not decode. With several processes (`twinstep.hosts`)
+    every process runs this together: each loads its replicas' rows, process 0 alone writes the
+    config and the logs, and all write and restore the checkpoints together."""
     import orbax.checkpoint as ocp
-
-    from twinstep.runlog import RunLog
 
     recipe = cfg.parsed_recipe()
     net = get_net(recipe.net)
-    dtype = get_precision(cfg.precision).dtype
     src = loader.source(cfg.data, cfg.res)  # a folder is scanned (and refused) before compiling
     resuming = _check_run_dir(cfg)
+    hosts.barrier("run-dir-read")  # every process has read RUN_DIR before process 0 writes
     config = {**dataclasses.asdict(cfg), "net": recipe.net, "classes": src.classes,
               "train_images": len(src.train_labels), "val_images": len(src.val_labels),
-              "resolved_recipe": dataclasses.asdict(recipe)}
-    files.publish({os.path.join(cfg.out, "config.json"): json.dumps(config, indent=1).encode()})
+              "processes": hosts.count(), "resolved_recipe": dataclasses.asdict(recipe)}
+    if hosts.is_primary():
+        files.publish({os.path.join(cfg.out, "config.json"):
+                       json.dumps(config, indent=1).encode()})
     prog = program.train_program(net, recipe, src.classes, cfg.replicas, cfg.precision,
                                  fast_compile=cfg.fast_compile)
     eval_fn = program.eval_program(net, cfg.precision, cfg.fast_compile)
@@ -339,18 +346,44 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     if resuming and manager.latest_step() is not None:
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(target))
-    start = int(state.step)
+    start = int(hosts.local_value(state.step))
     stream = loader.train_stream(src, _augment(src, recipe), cfg.seed, start, cfg.steps,
-                                 recipe.accum, cfg.rows, dtype, cfg.workers)
-    with RunLog(cfg.out, resume_step=start) as log:
+                                 recipe.accum, cfg.rows, get_precision(cfg.precision).dtype,
+                                 cfg.workers, hosts.local_rows(cfg.rows))
+    with _run_log(cfg.out, start) as log:
         try:
             last_eval = _loop(cfg, recipe, src, prog, eval_fn, state, manager, stream, log,
-                              progress, warn or (lambda text: None))
+                              progress if hosts.is_primary() else None, warn or (lambda t: None))
         finally:
             stream.close()
             manager.wait_until_finished()
             manager.close()
     return last_eval
+
+
+class _NoLog:
+    """The logs of a process other than 0: nothing is written."""
+
+    def train(self, record: dict) -> None:
+        pass
+
+    def eval(self, step: int, result: dict) -> None:
+        pass
+
+
+def _run_log(run_dir: str, start: int):
+    """RUN_DIR's logs (`twinstep.runlog.RunLog`), written by process 0 only."""
+    from twinstep.runlog import RunLog
+
+    return RunLog(run_dir, resume_step=start) if hosts.is_primary() else (
+        contextlib.nullcontext(_NoLog()))
+
+
+def _batch_sharding(cfg: TrainConfig):
+    """Where a step's xs and ts go: their R N rows (axis 1) over the replicas."""
+    if cfg.replicas == 1:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.sharding.NamedSharding(dp.mesh(cfg.replicas), dp.MICRO_BATCH)
 
 
 def _artifact_program(cfg: TrainConfig, prog, classes: int):
@@ -376,6 +409,7 @@ def _loop(cfg, recipe, src, prog, eval_fn, state, manager, stream, log, progress
     last_eval: dict = {}
     skipped = 0
     per_step = cfg.rows * recipe.accum
+    rows = _batch_sharding(cfg) if hosts.count() > 1 else None  # where each process's rows go
     t0 = time.perf_counter()  # from the end of the first step: it compiles
     for s, (xs, ts, sk) in zip(range(start, cfg.steps), stream, strict=True):
         if sk and not skipped:
@@ -383,8 +417,11 @@ def _loop(cfg, recipe, src, prog, eval_fn, state, manager, stream, log, progress
                  f"of its split (counted as 'skipped' in metrics.jsonl)")
         skipped += sk
         key = jax.random.fold_in(jax.random.key(cfg.seed), s)
-        state, m = prog.step(state, xs, ts, key)
-        loss = float(m["loss"])
+        if rows is not None:  # this process's rows, into the global batch
+            xs, ts = (hosts.global_array(a, rows, (a.shape[0], cfg.rows, *a.shape[2:]))
+                      for a in (xs, ts))
+        state, m = hosts.run_together(prog.step, state, xs, ts, key)
+        loss = float(hosts.local_value(m["loss"]))
         if not math.isfinite(loss):
             manager.wait_until_finished()
             raise NonFinite(f"the loss is {loss} at step {s + 1}; the last checkpoint "
@@ -393,11 +430,11 @@ def _loop(cfg, recipe, src, prog, eval_fn, state, manager, stream, log, progress
         if done == start + 1:
             t0 = time.perf_counter()
         record = {"step": done, "epoch": done * per_step / len(src.train_labels),
-                  "loss": loss, "lr": float(m["lr"]), "skipped": skipped,
+                  "loss": loss, "lr": float(hosts.local_value(m["lr"])), "skipped": skipped,
                   "img_per_s": (done - start - 1) * per_step
                   / max(time.perf_counter() - t0, 1e-9)}
         if done % cfg.log_every == 0 or done == cfg.steps:
-            log.train(record)
+            log.train({**record, "skipped": int(hosts.total([skipped])[0])})
         if done % cfg.eval_every == 0 or done == cfg.steps:
             last_eval = evaluate(src, cfg, state, eval_fn)
             log.eval(done, last_eval)

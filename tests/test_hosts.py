@@ -1,0 +1,171 @@
+"""Many processes (`twinstep.hosts`, `twinstep launch`): real processes joined by JAX's
+distributed runtime, their CPU collectives over gloo — P = 2 processes x 2 replicas each.
+
+The claims: a run over two processes trains what one process trains with the same four replicas
+(f64, the tie's floor); a process killed with SIGKILL stops the other at once with a line naming
+it, and the run resumes from its last checkpoint; a checkpoint written by two processes resumes
+in one process on another topology at the same global batch and continues the same trajectory;
+the tie holds across processes and its control fails there."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import FAST_COMPILE_NETS
+
+from twinstep import UsageError, hosts, launch
+from twinstep.trainer import load_state
+
+STEPS = 2
+# 2 processes x 2 replicas x N = 2: the global batch of test_train's R = 2 x 4 and R = 1 x 8
+TRAIN = ["train", "mnv4in_momdp2", "--data", "digits", "--replicas", "4", "--steps", str(STEPS),
+         "--ckpt-every", "1", "--eval-every", str(STEPS), "--log-every", "1", "--precision",
+         "f64", *(["--fast-compile"] if "mnv4" in FAST_COMPILE_NETS else [])]
+WAIT_S = 900
+
+
+def _launch(*argv) -> list[str]:
+    return [sys.executable, "-m", "twinstep.cli", "launch", "--local", "2", "--", *argv]
+
+
+def _children(pid: int) -> dict[int, int]:
+    """{process id (--process-id): pid} of the launcher ``pid``'s children."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().decode().split("\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and "--process-id" in args:
+            out[int(args[args.index("--process-id") + 1])] = int(entry)
+    return out
+
+
+def test_the_flags_go_together_and_in_range():
+    for flags, message in (((None, 2, 0), "go together"), (("node0", 2, 0), "HOST:PORT"),
+                           (("node0:99999", 2, 0), "HOST:PORT"), (("h:1", 0, 0), ">= 1"),
+                           (("h:1", 2, 2), r"\[0, 2\)")):
+        with pytest.raises(UsageError, match=message):
+            hosts.check_flags(*flags)
+    hosts.check_flags("node0:12355", 2, 1)
+    hosts.check_flags(None, None, None)
+    with pytest.raises(UsageError, match="train, tie"):
+        launch.commands(2, ["render", "x"], 1)
+    with pytest.raises(UsageError, match="--process-id itself"):
+        launch.commands(2, ["train", "x", "--process-id", "1"], 1)
+    (argv, env), _ = launch.commands(2, ["tie", "mnv4"], 4242, gpus_per_process=2)
+    assert argv[-6:] == ["--coordinator", "localhost:4242", "--num-processes", "2",
+                         "--process-id", "0"]
+    assert env["JAX_LOCAL_DEVICE_IDS"] == "0,1"
+
+
+COMMON = {"steps": STEPS, "eval_every": STEPS, "ckpt_every": 1, "keep": STEPS,
+          "precision": "f64", "fast_compile": "mnv4" in FAST_COMPILE_NETS}
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A run of 2 processes x 2 replicas, killed with SIGKILL after its step-1 checkpoint, and
+    what the launcher said: (RUN_DIR, seconds from the kill to the launcher's end, status,
+    stderr)."""
+    run = tmp_path_factory.mktemp("hosts") / "two"
+    proc = subprocess.Popen(_launch(*TRAIN, "--out", str(run)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + WAIT_S
+    while not (run / "checkpoints" / "1").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    os.kill(_children(proc.pid)[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    return run, time.monotonic() - t0, proc.returncode, err
+
+
+def _copy(killed, tmp_path) -> str:
+    """A copy of the killed run to resume (each test its own: the fixture's stays as killed)."""
+    shutil.copytree(killed[0], tmp_path / "resumed")
+    return str(tmp_path / "resumed")
+
+
+def _resumed(killed, tmp_path, recipe: str, replicas: int) -> dict:
+    """The killed run's checkpoint resumed in this one process as ``replicas`` x its N."""
+    from twinstep import api
+
+    moved = _copy(killed, tmp_path)
+    api.train(recipe, moved, replicas=replicas, resume=True, **COMMON)
+    return load_state(moved)
+
+
+def _max_err(a: dict, b: dict) -> float:
+    from twinstep.compare import grad_err
+
+    errors = [grad_err(k, a["params"], b["params"]) for k in b["params"]]
+    assert len(errors) == 233
+    return max(errors)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("hosts")
+def test_two_processes_train_what_one_does_survive_a_kill_and_resume_in_one(killed, tmp_path):
+    """2 processes x 2 replicas, killed with SIGKILL after their first checkpoint: the launcher
+    stops the other process at once, naming the dead one. Their step 1 is one process's with the
+    same 4 replicas (f64, every parameter within the tie's floor 1e-10), and their checkpoint,
+    resumed in one process as 2 replicas x 2N, ends step 2 where that process does. (Control:
+    step 2 is > 1e-6 away from step 1 — the bound sees a step.)"""
+    from twinstep import api
+
+    run, seconds, status, err = killed
+    assert seconds < 60 and status == 3, (seconds, status, err)
+    assert "process 1 was killed by SIGKILL; stopping the others" in err, err
+    assert "stopped process 0 (process 1 had failed)" in err, err
+    assert not (run / "checkpoints" / str(STEPS)).exists()  # killed before the end
+    api.train("mnv4in_momdp2", str(tmp_path / "one"), replicas=4, **COMMON)
+    one = {s: load_state(tmp_path / "one", s) for s in (1, STEPS)}
+    two = load_state(run, 1)
+    assert _max_err(two, one[1]) <= 1e-10
+    bitwise = all(np.array_equal(two["params"][k], one[1]["params"][k]) for k in two["params"])
+    print(f"two processes vs one, 4 replicas, f64, step 1: bitwise {bitwise}")
+    moved = _resumed(killed, tmp_path, "mnv4in_momdp4", 2)
+    assert int(moved["step"]) == STEPS
+    assert _max_err(moved, one[STEPS]) <= 1e-10
+    assert _max_err(one[1], one[STEPS]) > 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.all
+@pytest.mark.xdist_group("hosts")
+def test_the_killed_run_resumes_over_two_processes_and_in_one_on_one_replica(killed, tmp_path):
+    """The killed run resumed as it was (the launcher, --resume) and in one process on ONE
+    replica of 4N: both end step 2 where the two-process run would (each other's, 1e-10)."""
+    again = _copy(killed, tmp_path / "two")
+    resumed = subprocess.run(_launch(*TRAIN, "--out", again, "--resume"), text=True,
+                             capture_output=True, timeout=WAIT_S)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "[0] val (raw): top-1" in resumed.stdout and "[1] val" not in resumed.stdout
+    two = load_state(again)
+    assert int(two["step"]) == STEPS
+    assert _max_err(_resumed(killed, tmp_path, "mnv4in_momdp8", 1), two) <= 1e-10
+
+
+@pytest.mark.slow
+@pytest.mark.all
+def test_the_tie_holds_across_processes_and_its_control_fails_there(tmp_path):
+    """R = 4 over 2 processes against the single device at R N (f64): every parameter within
+    its bound; the wrong-divisor control run the same way is NOT tied."""
+    tie = ["tie", "mnv4", "--replicas", "4", "--batch", "1",
+           *(["--fast-compile"] if "mnv4" in FAST_COMPILE_NETS else [])]
+    done = subprocess.run(_launch(*tie), capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr
+    assert "[0] tied: 233/233 parameters" in done.stdout and "[1] tied" not in done.stdout
+    broken = subprocess.run(_launch(*tie, "--control", "sum"), capture_output=True, text=True,
+                            timeout=WAIT_S)
+    assert broken.returncode == 1 and "NOT tied" in broken.stdout, broken.stderr
+    assert "exited with status 1; stopping the others" in broken.stderr

@@ -1,0 +1,135 @@
+"""`twinstep launch --local P -- COMMAND ...`: P processes of one twinstep command on this host,
+joined into one runtime (`twinstep.hosts`), as ``torchrun --standalone`` starts them.
+
+Process i runs ``twinstep COMMAND ... --coordinator localhost:PORT --num-processes P
+--process-id i``; its output lines come back prefixed ``[i]``. The first process to fail —
+a non-zero exit, or a signal such as kill -9 — stops the others at once (SIGTERM, then SIGKILL),
+each stop named on stderr, and its status becomes the launcher's: no process is left waiting on
+a collective that can never complete.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from twinstep.errors import UsageError
+
+GRACE_S = 10  # after SIGTERM, how long a process has before SIGKILL
+POLL_S = 0.1
+KNOWN_STATUS = (1, 2, 3, 4, 130)  # a failed process's status passed on as is (else 3)
+COMMANDS = ("train", "tie")  # the commands that run over several processes
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def commands(processes: int, argv: list[str], port: int,
+             gpus_per_process: int | None = None) -> list[tuple[list[str], dict]]:
+    """(argv, environment) of each process."""
+    if not argv or argv[0] not in COMMANDS:
+        raise UsageError(f"launch runs one of {', '.join(COMMANDS)}: 'twinstep launch --local P "
+                         f"-- train RECIPE ...'")
+    own = [a for a in argv if a.split("=")[0] in ("--coordinator", "--num-processes",
+                                                  "--process-id")]
+    if own:
+        raise UsageError(f"launch sets {own[0].split('=')[0]} itself: drop it")
+    out = []
+    for i in range(processes):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if gpus_per_process:
+            env["JAX_LOCAL_DEVICE_IDS"] = ",".join(
+                str(d) for d in range(i * gpus_per_process, (i + 1) * gpus_per_process))
+        out.append(([sys.executable, "-m", "twinstep.cli", *argv, "--coordinator",
+                     f"localhost:{port}", "--num-processes", str(processes), "--process-id",
+                     str(i)], env))
+    return out
+
+
+def _forward(i: int, stream, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, b""):
+        with lock:
+            sys.stdout.buffer.write(f"[{i}] ".encode() + line)
+            sys.stdout.buffer.flush()
+
+
+def _describe(status: int) -> str:
+    if status < 0:
+        try:
+            return f"was killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"was killed by signal {-status}"
+    return f"exited with status {status}"
+
+
+def run(processes: int, argv: list[str], port: int | None = None,
+        gpus_per_process: int | None = None) -> int:
+    """Start the processes and wait: 0 when all end with 0, else the first failure's status."""
+    if processes < 1:
+        raise UsageError(f"--local must be >= 1, got {processes}")
+    port = port or free_port()
+    lock = threading.Lock()
+    procs, threads = [], []
+    for i, (args, env) in enumerate(commands(processes, argv, port, gpus_per_process)):
+        p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        t = threading.Thread(target=_forward, args=(i, p.stdout, lock), daemon=True)
+        t.start()
+        procs.append(p)
+        threads.append(t)
+    try:
+        failed = _wait(procs)
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        _stop(procs, None)
+        status = 130
+    else:
+        status = 0
+        if failed is not None:
+            i, code = failed
+            print(f"twinstep launch: process {i} {_describe(code)}; stopping the others",
+                  file=sys.stderr, flush=True)
+            _stop(procs, i)
+            status = code if code in KNOWN_STATUS else 3
+    for t in threads:
+        t.join(timeout=5)
+    return status
+
+
+def _wait(procs) -> tuple[int, int] | None:
+    """Wait until every process ends (None) or one fails: (its number, its status)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        for i, code in enumerate(codes):
+            if code not in (None, 0):
+                return i, code
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(POLL_S)
+
+
+def _stop(procs, dead: int | None) -> None:
+    """SIGTERM every process still running, SIGKILL after GRACE_S; each stop named."""
+    running = [(i, p) for i, p in enumerate(procs) if p.poll() is None]
+    for _, p in running:
+        p.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for i, p in running:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        if dead is not None:
+            print(f"twinstep launch: stopped process {i} (process {dead} had failed)",
+                  file=sys.stderr, flush=True)
