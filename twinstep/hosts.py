@@ -92,12 +92,14 @@ def _first_line(e: BaseException) -> str:
 
 
 def count() -> int:
-    return jax.process_count()
+    """How many processes run together (1 without the runtime — asked without starting JAX's
+    backend, so that a caller can still choose its devices)."""
+    return jax.process_count() if jax.distributed.is_initialized() else 1
 
 
 def is_primary() -> bool:
     """Process 0: the one that writes logs, reports and configs."""
-    return jax.process_index() == 0
+    return count() == 1 or jax.process_index() == 0
 
 
 def replica_devices(replicas: int) -> list:
