@@ -118,8 +118,9 @@ def test_two_processes_train_what_one_does_survive_a_kill_and_resume_in_one(kill
     """2 processes x 2 replicas, killed with SIGKILL after their first checkpoint: the launcher
     stops the other process at once, naming the dead one. Their step 1 is one process's with the
     same 4 replicas (f64, every parameter within the tie's floor 1e-10), and their checkpoint,
-    resumed in one process as 2 replicas x 2N, ends step 2 where that process does. (Control:
-    step 2 is > 1e-6 away from step 1 — the bound sees a step.)"""
+    resumed in one process as 2 replicas x 2N, ends step 2 where that process does; resumed at
+    another global batch, it is refused. (Control: step 2 is > 1e-6 away from step 1 — the
+    bound sees a step.)"""
     from twinstep import api
 
     run, seconds, status, err = killed
@@ -133,6 +134,9 @@ def test_two_processes_train_what_one_does_survive_a_kill_and_resume_in_one(kill
     assert _max_err(two, one[1]) <= 1e-10
     bitwise = all(np.array_equal(two["params"][k], one[1]["params"][k]) for k in two["params"])
     print(f"two processes vs one, 4 replicas, f64, step 1: bitwise {bitwise}")
+    with pytest.raises(UsageError, match=r"R N = 4 x 2 = 8; this one is 2 x 2 = 4"):
+        api.train("mnv4in_momdp2", _copy(killed, tmp_path / "refused"), replicas=2,
+                  resume=True, **COMMON)  # another global batch: refused before any work
     moved = _resumed(killed, tmp_path, "mnv4in_momdp4", 2)
     assert int(moved["step"]) == STEPS
     assert _max_err(moved, one[STEPS]) <= 1e-10
