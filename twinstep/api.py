@@ -48,9 +48,8 @@ def join(coordinator: str | None = None, num_processes: int | None = None,
     when the runtime cannot be joined."""
     from twinstep import dp, hosts
 
-    hosts.check_flags(coordinator, num_processes, process_id)
     dp.ensure_devices(-(-replicas // (num_processes or 1)))  # before JAX starts, as joining is
-    hosts.initialize(coordinator, num_processes, process_id)
+    hosts.initialize(coordinator, num_processes, process_id)  # checks the flags first
 
 
 def devices(replicas: int) -> None:
