@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from twinstep import cli, dp, hlo, optim, program, renders, step, ties
-from twinstep.collectives import SITES
+from twinstep.collectives import GRAD_BUCKET_BYTES, MICRO_STEP_SITES, SITES, grad_buckets
 from twinstep.nets import get_net
 from twinstep.recipes import parse
 
@@ -27,6 +27,8 @@ from twinstep.recipes import parse
 EXAMPLE = "resnet50in_adamdp2"
 BNS = {"resnet50": 53, "mnv4": 77}
 TENSORS = {"resnet50": 161, "mnv4": 233}
+# 25 MiB buckets of the f32 gradients of 10 classes (collectives.grad_buckets)
+BUCKETS = {"resnet50": 4, "mnv4": 2}
 SMALL = {"res": 32, "classes": 10}
 # the tests that read the example's render run on one pytest worker, which renders it once
 ON_EXAMPLE = pytest.mark.xdist_group("example_f64")
@@ -60,7 +62,7 @@ def test_one_replica_render_is_the_single_device_render():
     one = renders.render(cfg)
     single = renders.export_step(cfg, single=True).exported
     assert hlo.collectives(one.mlir) == []
-    assert one.manifest["collectives"]["per_micro_step"] == 0
+    assert one.manifest["collectives"]["in_text"] == 0
     assert one.mlir == single.mlir_module()
     assert one.exported.nr_devices == 1
     assert all(i["spec"] == [] for i in one.manifest["inputs"])  # nothing sharded
@@ -92,21 +94,49 @@ def test_a_four_replica_render_needs_one_device(example_f64, tmp_path):
 @pytest.mark.slow
 def test_collectives_match_the_design_and_stay_f32(name):
     r = renders.render(renders.RenderConfig(name, 4, **SMALL))
-    net = r.recipe.net
+    net, k = r.recipe.net, r.recipe.accum
     c = r.manifest["collectives"]
-    bns, tensors = BNS[net], TENSORS[net]
-    assert c["spec_reference"] == 3 * bns + tensors  # 320 / 464
-    want = {"bn_forward_mean": bns, "bn_forward_var": bns, "bn_backward": bns, "grad": tensors,
+    bns, buckets = BNS[net], BUCKETS[net]
+    assert c["spec_reference"] == 3 * bns + buckets  # 163 / 233
+    want = {"bn_forward_mean": bns, "bn_forward_var": bns, "bn_backward": bns, "grad": buckets,
             "loss": 1}
     assert {s: v["count"] for s, v in c["by_site"].items()} == want
     # the manifest's count is the text's: every all-reduce, found by its quoted generic form
-    assert c["per_micro_step"] == r.mlir.count('"stablehlo.all_reduce"') == c["spec_reference"] + 1
-    assert c["by_kind"]["all_reduce"]["count"] == c["per_micro_step"]
+    assert c["in_text"] == r.mlir.count('"stablehlo.all_reduce"') == c["spec_reference"] + 1
+    assert c["by_kind"]["all_reduce"]["count"] == c["in_text"]
+    # the BN sites and the loss in the scan's body, each micro-step; the gradient buckets after it
+    ops = hlo.collectives(r.mlir)
+    assert {o["site"] for o in ops if o["in_loop"]} == set(MICRO_STEP_SITES)
+    assert {o["site"] for o in ops if not o["in_loop"]} == {"grad"}
+    assert c["per_micro_step"] == 3 * bns + 1
+    assert c["per_optimizer_step"]["count"] == k * (3 * bns + 1) + buckets
     # a bf16 render: every collective carries f32, never bf16
     assert c["by_kind"]["all_reduce"]["dtypes"] == ["f32"]
-    # payload: the parameter gradients are the parameter count in f32
+    # payload: each parameter-gradient element once per optimizer step, in f32
     scalars = r.manifest["parameters"]["scalars"]
     assert c["by_site"]["grad"]["payload_bytes"] == 4 * scalars
+    bn_and_loss = sum(v["payload_bytes"] for s, v in c["by_site"].items() if s != "grad")
+    assert c["per_optimizer_step"]["payload_bytes"] == k * bn_and_loss + 4 * scalars
+
+
+def test_gradient_buckets_hold_each_element_once():
+    """The gradient buckets (no network): consecutive same-dtype leaves up to the cap, a larger
+    leaf alone, a dtype change starts a bucket; and the bucketed mean over 2 replicas is each
+    leaf's own mean, where the `sum` control is not."""
+    cap = GRAD_BUCKET_BYTES // 4
+    leaves = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
+        ((cap // 2,), jnp.float32), ((cap // 2,), jnp.float32), ((1,), jnp.float32),
+        ((cap + 1,), jnp.float32), ((3,), jnp.float64), ((2,), jnp.float32)]]
+    assert grad_buckets(leaves) == [[0, 1], [2], [3], [4], [5]]
+    dp.ensure_devices(2)
+    rng = np.random.default_rng(0)
+    grads = {"a": rng.standard_normal((2, 3, 4)), "b": rng.standard_normal((2, 5)),
+             "c": rng.standard_normal((2,))}
+    for control in ("none", "sum"):
+        mean = dp.replica_map(dp.replicas(2, control).grad_mean, 2, (dp.BATCH,), dp.BATCH)(grads)
+        close = [np.allclose(mean[n], np.broadcast_to(g.mean(0, keepdims=True), g.shape),
+                             rtol=1e-12) for n, g in grads.items()]
+        assert close == [control == "none"] * len(grads), control
 
 
 @ON_EXAMPLE
@@ -122,7 +152,9 @@ def test_the_counter_sees_missing_collectives():
     unsynced control has only the gradients' and the loss's all-reduces. The whole step refuses
     that control (each replica would keep its own running statistics)."""
     net = get_net("resnet50")
-    for control, want in (("none", 3 * 53 + 161 + 1), ("unsynced", 161 + 1)):
+    buckets = len(grad_buckets(jax.tree.leaves(ties.setup(ties.TieConfig("resnet50", 4), net)[0])))
+    assert buckets == 10  # f64: twice the bytes of f32's 4
+    for control, want in (("none", 3 * 53 + buckets + 1), ("unsynced", buckets + 1)):
         cfg = ties.TieConfig("resnet50", 4, control=control)
         params, buffers, x, t = ties.setup(cfg, net)
         program = ties.replica_program(net, cfg, ties.tie_precision("f64"))
@@ -147,8 +179,8 @@ def test_the_collective_reader_sees_bf16_and_sites():
         "}) : (tensor<7x3xbf16>) -> tensor<7x3xbf16> loc(#loc3)",
         '#loc3 = loc("while/body/closed_call/bn_backward/psum_invariant")'])
     (op,) = hlo.collectives(text)
-    assert op == {"kind": "all_reduce", "site": "bn_backward", "operands": [((7, 3), "bf16")],
-                  "bytes": 42}
+    assert op == {"kind": "all_reduce", "site": "bn_backward", "in_loop": False,
+                  "operands": [((7, 3), "bf16")], "bytes": 42}
     assert set(SITES) >= {"bn_forward_mean", "bn_forward_var", "bn_backward", "grad", "loss"}
 
 
@@ -351,8 +383,9 @@ def test_committed_manifests_are_current():
         readme = f.read()
     for name, m in manifests.items():
         c = m["collectives"]
-        assert f"| `{name}` |" in readme and f"| {c['per_micro_step']} ({c['spec_reference']}) |" \
-            in readme.split(f"| `{name}` |")[1].split("\n")[0], name
+        row = readme.split(f"| `{name}` |")[1].split("\n")[0] if f"| `{name}` |" in readme else ""
+        assert f"| {c['in_text']} ({c['spec_reference']}) |" in row, name
+        assert f"| {c['per_optimizer_step']['count']}, " in row, name
 
 
 @ON_EXAMPLE

@@ -15,8 +15,10 @@ to catch the classic data-parallel bugs (see `CONTROLS`).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 # A control names one classic bug; the tie and the certification must FAIL under each.
@@ -41,9 +43,33 @@ SITES = {
     "bn_forward_mean": "a BN's forward mean, mean_r mu_r (one per BN)",
     "bn_forward_var": "a BN's forward variance, mean_r (var_r + (mu_r - mu)^2) (one per BN)",
     "bn_backward": "a BN's backward pair [mean(g dy), mean(xhat g dy)] (one per BN)",
-    "grad": "a parameter gradient, all-reduced by its mean exactly once (one per tensor)",
+    "grad": "a bucket of parameter gradients, all-reduced by its mean once per optimizer step "
+            "(each gradient element in exactly one bucket)",
     "loss": "the reported loss, the mean of the replicas' losses (one per micro-step)",
 }
+# The sites inside the accumulation scan (once per micro-step); "grad" is after it, once per
+# optimizer step.
+MICRO_STEP_SITES = ("bn_forward_mean", "bn_forward_var", "bn_backward", "loss")
+
+# Gradients travel in buckets of at most this many bytes (PyTorch DDP's default cap): a few large
+# all-reduces instead of one per tensor, each small enough not to hold a second copy of every
+# gradient at once.
+GRAD_BUCKET_BYTES = 25 * 2**20
+
+
+def grad_buckets(leaves) -> list[list[int]]:
+    """The gradient buckets: lists of leaf positions, consecutive leaves of one dtype up to
+    `GRAD_BUCKET_BYTES` (a larger leaf is a bucket alone). ``leaves``: anything with ``shape``
+    and ``dtype`` (arrays, ShapeDtypeStructs), in ``jax.tree.leaves`` order."""
+    buckets, size, dtype = [], 0, None
+    for i, leaf in enumerate(leaves):
+        nbytes = math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+        if not buckets or leaf.dtype != dtype or size + nbytes > GRAD_BUCKET_BYTES:
+            buckets.append([])
+            size, dtype = 0, leaf.dtype
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +121,27 @@ class Replicas:
         return n
 
     def grad_mean(self, grads):
-        """The parameter-gradient collective: each leaf all-reduced by its mean, exactly once."""
-        return jax.tree.map(lambda g: self.mean(g, "grad"), grads)
+        """The parameter-gradient collective: every element of ``grads`` (a pytree) all-reduced
+        by its mean exactly once, the leaves packed into `grad_buckets` (one all-reduce each)."""
+        if not self.synced:
+            return grads
+        leaves, tree = jax.tree.flatten(grads)
+        out = [None] * len(leaves)
+        for bucket in grad_buckets(leaves):
+            flat = self.mean(jnp.concatenate([leaves[i].reshape(-1) for i in bucket]), "grad")
+            start = 0
+            for i in bucket:
+                size = leaves[i].size
+                out[i] = flat[start:start + size].reshape(leaves[i].shape)
+                start += size
+        return jax.tree.unflatten(tree, out)
+
+    def varying(self, tree):
+        """``tree`` (the same on every replica) typed as varying over the replicas, e.g. a scan's
+        zeros into which each replica sums its own gradients; as is on one device."""
+        if not self.synced:
+            return tree
+        return jax.tree.map(lambda x: lax.pcast(x, self.axis, to="varying"), tree)
 
     def shard_rows(self, x: jax.Array, axis: int = 0) -> jax.Array:
         """This replica's rows of ``x`` drawn for the GLOBAL batch (``axis`` holds R*N rows):

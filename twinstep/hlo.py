@@ -33,26 +33,63 @@ def _nbytes(types) -> int:
 _SITE_COMPONENT = re.compile(r'(?:^|[/"])(' + "|".join(SITES) + r")/")
 
 
-def _site(loc: str, aliases: dict, depth: int = 0) -> str | None:
-    """The sync site a location names: the innermost `SITES` key among the components of its
-    name stack."""
+def _find(loc: str, aliases: dict, pattern: re.Pattern, depth: int = 0) -> str | None:
+    """The innermost match of ``pattern`` among the components of a location's name stack,
+    following the location aliases it refers to."""
     text = aliases.get(loc, loc)
-    found = _SITE_COMPONENT.findall(text)
+    found = pattern.findall(text)
     if found:
         return found[-1]
     if depth < 8:
         for ref in re.findall(r"#loc\d*", text):
-            if ref != loc and (found := _site(ref, aliases, depth + 1)):
+            if ref != loc and (found := _find(ref, aliases, pattern, depth + 1)):
                 return found
     return None
 
 
+_CALL = re.compile(r"call @([\w.$-]+)\(")
+
+
+def _in_loops(lines: list[str]) -> tuple[set[int], set[str]]:
+    """(the line numbers inside a ``stablehlo.while``'s regions, the functions called from them,
+    directly or through other functions). The scan over micro-steps lowers to such a loop, its
+    body often outlined into a function that the loop calls."""
+    inside: set[int] = set()
+    for i, line in enumerate(lines):
+        if "stablehlo.while(" not in line:
+            continue
+        indent = len(line) - len(line.lstrip())
+        for j in range(i + 1, len(lines)):
+            here = len(lines[j]) - len(lines[j].lstrip())
+            if here <= indent and lines[j].strip() not in ("cond {", "} do {"):
+                break
+            inside.add(j)
+    called = {c for i in inside for c in _CALL.findall(lines[i])}
+    bodies: dict[str, list[str]] = {}
+    function = None
+    for line in lines:
+        if (f := _FUNC.match(line)) is not None:
+            function = f.group(1)
+        elif function is not None:
+            bodies.setdefault(function, []).append(line)
+    frontier = list(called)
+    while frontier:
+        for c in _CALL.findall("\n".join(bodies.get(frontier.pop(), []))):
+            if c not in called:
+                called.add(c)
+                frontier.append(c)
+    return inside, called
+
+
 def collectives(mlir: str) -> list[dict]:
-    """Every collective op in StableHLO text: {"kind", "site", "operands": [(shape, dtype)],
-    "bytes"} (bytes of this replica's operands). A collective with a reduction region has its
-    signature on the line that closes the region, ``}) : (operands) -> results loc(...)``."""
+    """Every collective op in StableHLO text: {"kind", "site", "in_loop", "operands": [(shape,
+    dtype)], "bytes"} (bytes of this replica's operands; in_loop: in a while loop, i.e. the
+    accumulation scan, which the text holds once for its k iterations). A collective with a
+    reduction region has its signature on the line that closes the region,
+    ``}) : (operands) -> results loc(...)``."""
     aliases = dict(_LOC_DEF.findall(mlir))
     lines = mlir.splitlines()
+    loop_lines, loop_functions = _in_loops(lines)
     ops = []
     function = None
     for i, line in enumerate(lines):
@@ -73,7 +110,10 @@ def collectives(mlir: str) -> list[dict]:
         operands, _ = sig.split(" -> ", 1)
         loc = re.search(r"loc\((#loc\d*)\)\s*$", lines[j])
         types = tensor_types(operands)
-        ops.append({"kind": m.group(1), "site": _site(loc.group(1), aliases) if loc else None,
+        ref = loc.group(1) if loc else None
+        ops.append({"kind": m.group(1),
+                    "site": _find(ref, aliases, _SITE_COMPONENT) if ref else None,
+                    "in_loop": i in loop_lines or function in loop_functions,
                     "operands": types, "bytes": _nbytes(types)})
     return ops
 

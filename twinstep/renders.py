@@ -37,15 +37,16 @@ from jax.sharding import NamedSharding
 
 import twinstep
 from twinstep import dp, files, hlo, program, recipes, runtime, step
-from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS, SITES
+from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS, SITES, grad_buckets
 from twinstep.errors import UsageError
 from twinstep.nets import get_net, layers
 from twinstep.ops import conv
 from twinstep.ops.precision import NAMES as PRECISIONS
 from twinstep.ops.precision import get_precision
 
-# The reference count per micro-step (docs/sync-sites.md): 3 per BN (mean, variance, backward pair)
-# + 1 per parameter tensor. twinstep emits exactly these, plus one scalar for the reported loss.
+# The reference count (docs/sync-sites.md): 3 per BN (mean, variance, backward pair) in each
+# micro-step + 1 per gradient bucket after the scan. twinstep emits exactly these, plus one scalar
+# for the reported loss.
 BN_SITES = ("bn_forward_mean", "bn_forward_var", "bn_backward")
 SMALL_RES = 32  # `render --all`: the resolution of the committed manifests
 DEFAULT_CLASSES = 1000
@@ -177,9 +178,12 @@ def export_step(cfg: RenderConfig, single: bool = False) -> Export:
                   [list(sp) for sp in made.in_specs])
 
 
-def collective_summary(ops: list[dict], net) -> dict:
-    """The manifest's collectives: by kind and by site (count, payload bytes, dtypes), and the
-    reference count (docs/sync-sites.md)."""
+def collective_summary(ops: list[dict], net, classes: int, dtype, accum: int) -> dict:
+    """The manifest's collectives: by kind and by site (count, payload bytes, dtypes) as the
+    StableHLO text holds them — the scan over micro-steps holds its collectives once — then per
+    micro-step (those in the scan) and per optimizer step of ``accum`` micro-steps (k times
+    those, + those after the scan), and the reference count
+    (docs/sync-sites.md) from the parameter shapes and their gradients' ``dtype``."""
     def summary(group):
         return {"count": len(group), "payload_bytes": sum(o["bytes"] for o in group),
                 "dtypes": sorted({d for o in group for _, d in o["operands"]})}
@@ -190,14 +194,22 @@ def collective_summary(ops: list[dict], net) -> dict:
     unattributed = [o for o in ops if o["site"] is None]
     if unattributed:
         sites["unattributed"] = summary(unattributed)
-    shapes = net.param_shapes(2)
+    micro = summary([o for o in ops if o["in_loop"]])
+    once = summary([o for o in ops if not o["in_loop"]])
+    shapes = net.param_shapes(classes)
     bns = len(layers.bn_names(shapes))
-    return {"per_micro_step": len(ops), "by_kind": kinds, "by_site": sites,
-            "spec_reference": len(BN_SITES) * bns + len(shapes),
-            "note": "counted in the StableHLO text, where the scan over micro-steps holds each "
-                    "collective once: these are per micro-step. SPEC §3's reference is 3 per BN + "
-                    "1 per parameter tensor; the 'loss' site (the reported mean loss, a scalar) "
-                    "is the one collective beyond it."}
+    buckets = grad_buckets([jax.ShapeDtypeStruct(s, dtype) for s in jax.tree.leaves(
+        shapes, is_leaf=lambda x: isinstance(x, tuple))])
+    return {"in_text": len(ops), "by_kind": kinds, "by_site": sites,
+            "per_micro_step": micro["count"],
+            "per_optimizer_step": {
+                "count": accum * micro["count"] + once["count"],
+                "payload_bytes": accum * micro["payload_bytes"] + once["payload_bytes"]},
+            "spec_reference": len(BN_SITES) * bns + len(buckets),
+            "note": "the reference count (docs/sync-sites.md): 3 per BN (in each micro-step) "
+                    "+ 1 per gradient bucket (once per optimizer step, after the k "
+                    "micro-steps); the 'loss' site (the reported mean loss, a scalar, each "
+                    "micro-step) is the one collective beyond it."}
 
 
 # --------------------------------------------------------------------------------- the files
@@ -240,7 +252,8 @@ def render(cfg: RenderConfig) -> Render:
         "inputs": _io(names + ["xs", "ts", "key"], exported.in_avals, e.in_specs),
         "outputs": _io(names + ["loss", "lr"], exported.out_avals,
                        [[]] * (len(names) + 2)),
-        "collectives": collective_summary(hlo.collectives(mlir), net),
+        "collectives": collective_summary(hlo.collectives(mlir), net, cfg.classes,
+                                          get_precision(e.precision).dtype, recipe.accum),
         "convolutions": {"count": len(convs),
                          "dtypes": sorted({d for c in convs
                                            for _, d in c["operands"] + [c["result"]]})},

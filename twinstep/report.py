@@ -157,15 +157,16 @@ def render_table(rows: list, replicas: int, out: str, console=None) -> None:
     """One row per render written: rows of (manifest, seconds)."""
     console = console or Console()
     table = Table(title=f"renders for R = {replicas} in {out}",
-                  caption="collectives per micro-step (docs/sync-sites.md: 3 per BN + 1 per "
-                          "parameter tensor; +1 for the loss)")
-    for col in ("name", "N x k", "collectives (ref.)", "convs", "MiB", "s"):
+                  caption="all-reduces in the program (docs/sync-sites.md's reference: 3 per "
+                          "BN + 1 per gradient bucket; +1 for the loss), and per optimizer step")
+    for col in ("name", "N x k", "all-reduces (ref.)", "per step", "convs", "MiB", "s"):
         table.add_column(col, justify="left" if col == "name" else "right", overflow="fold")
     for m, seconds in rows:
         c = m["collectives"]
         exported = next(f for f in m["files"] if f.endswith(".jaxexport"))
         table.add_row(m["name"], f"{m['batch']} x {m['accum']}",
-                      f"{c['per_micro_step']} ({c['spec_reference']})",
+                      f"{c['in_text']} ({c['spec_reference']})",
+                      str(c["per_optimizer_step"]["count"]),
                       f"{m['convolutions']['count']} {'/'.join(m['convolutions']['dtypes'])}",
                       f"{m['files'][exported]['bytes'] / 2**20:.1f}", f"{seconds:.0f}")
     console.print(table)

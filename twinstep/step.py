@@ -3,14 +3,15 @@
 `grad_step` is ONE function for both twins: called with the single-device context it is the
 step at the global batch; called inside ``shard_map`` with a `Replicas` context it is the
 replica step — BN synchronised at its sites (ops/batchnorm), the loss divided by THIS replica's
-batch, every parameter gradient all-reduced by its mean exactly once, and the reported loss the
-mean of the replicas' losses.
+batch, every parameter gradient element all-reduced by its mean exactly once (in buckets,
+`Replicas.grad_mean`), and the reported loss the mean of the replicas' losses.
 
 `train_step` is the whole step of a recipe (docs/recipes.md): k micro-steps of `grad_step` (BN
 statistics per micro-batch, running statistics at momentum 1 - (1 - m)^(1/k) per micro-step,
-gradients averaged over k), then the clip and the optimizer (`twinstep.optim`), then the EMA of
-weights and running statistics (`twinstep.ema`). After the collective every replica holds the same
-gradient, so everything after it leaves every replica with the same state. Drop-path and dropout
+each replica's gradients summed over k and all-reduced once, then divided by k), then the clip
+and the optimizer (`twinstep.optim`), then the EMA of weights and running statistics
+(`twinstep.ema`). After the collective every replica holds the same gradient, so everything after
+it leaves every replica with the same state. Drop-path and dropout
 masks are drawn for the GLOBAL batch from the step's key and sharded with the batch.
 """
 
@@ -145,15 +146,18 @@ def accumulate(net, recipe, params: dict, buffers: dict, xs, ts, key, ctx: layer
         x, t, i = inp
         masks = draw_masks(net, recipe, jax.random.fold_in(key, i), n * rep.count, x.dtype)
         out = grad_step(net, params, bufs, x, t, ctx, recipe.loss,
-                        shard_masks(masks, rep, row_order), alpha=alpha, momentum=momentum)
+                        shard_masks(masks, rep, row_order), collective=False, alpha=alpha,
+                        momentum=momentum)
         grads = jax.tree.map(lambda a, g: a + g, grads, out.grads)
         return (grads, out.buffers, total + out.loss), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    # Each replica sums its own gradients over the k micro-steps; they are all-reduced once,
+    # after the scan: k times fewer gradient bytes than a collective per micro-step.
+    zeros = rep.varying(jax.tree.map(jnp.zeros_like, params))
     loss_dtype = jax.tree.leaves(params)[0].dtype
     (grads, buffers, total), _ = jax.lax.scan(
         micro, (zeros, buffers, jnp.zeros((), loss_dtype)), (xs, ts, jnp.arange(k)))
-    return jax.tree.map(lambda g: g / k, grads), buffers, total / k
+    return jax.tree.map(lambda g: g / k, rep.grad_mean(grads)), buffers, total / k
 
 
 def train_step(net, recipe, opt: optax.GradientTransformation, state: TrainState, xs, ts, key,
