@@ -125,16 +125,25 @@ def _typed_ops(mlir: str, op: str):
             yield tensor_types(line.rsplit(" : ", 1)[1])
 
 
+_KERNEL_DIMS = re.compile(r"dim_numbers = \[[^\]]*\]x\[([^\]]*)\]")
+
+
 def convolutions(mlir: str) -> list[dict]:
     """Every ``stablehlo.convolution``: {"operands": [(shape, dtype)] x 2, "result": (shape,
-    dtype)}."""
-    return [{"operands": t[:2], "result": t[2]} for t in _typed_ops(mlir, "convolution(")]
+    dtype), "kernel_out": the kernel's output-feature dimension}."""
+    out = []
+    for line in mlir.splitlines():
+        if "stablehlo.convolution(" in line:
+            t = tensor_types(line.rsplit(" : ", 1)[1])
+            kernel = [d.strip() for d in _KERNEL_DIMS.search(line).group(1).split(",")]
+            out.append({"operands": t[:2], "result": t[2], "kernel_out": kernel.index("o")})
+    return out
 
 
 def macs(mlir: str) -> int:
-    """Multiply-accumulates of the convolutions (OIHW kernels: |output| x I x kh x kw) and the
-    dot products (|output| x contracted width)."""
-    total = sum(math.prod(c["result"][0]) * math.prod(c["operands"][1][0][1:])
-                for c in convolutions(mlir))
+    """Multiply-accumulates of the convolutions (|output| x |kernel| / its output features,
+    e.g. I x kh x kw) and the dot products (|output| x contracted width)."""
+    total = sum(math.prod(c["result"][0]) * math.prod(c["operands"][1][0])
+                // c["operands"][1][0][c["kernel_out"]] for c in convolutions(mlir))
     return total + sum(math.prod(out[0]) * lhs[0][-1]
                        for lhs, _, out in _typed_ops(mlir, "dot_general"))

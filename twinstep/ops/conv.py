@@ -79,11 +79,22 @@ def conv2d_vjp(res: ConvRes, dy):
     return _grouped_input_vjp(res, dy, groups=1), _grouped_weight_vjp(res, dy, groups=1)
 
 
+# Dense convolutions are emitted in the one form XLA:CPU hands to its fast (Eigen) kernel:
+# NHWC input, HWIO kernel, NHWC output, the operands transposed explicitly. XLA canonicalizes
+# other forms itself in a program's entry computation, but not inside a while loop — the
+# accumulation scan's body — where they ran as generic loops, 3x slower (bench/RESULTS.md).
+CANONICAL = ("NHWC", "HWIO", "NHWC")
+
+
 def _grouped_forward(x, w, stride, precision, groups):
     p = conv_padding(w.shape[2])
     cd = precision.conv_dtype
     xc, wc = round_to(x, cd), round_to(w, cd)
-    y = _conv(xc, wc, precision, ("NHWC", "OIHW", "NHWC"), window_strides=(stride, stride),
+    if groups == 1:
+        lhs, rhs, dims = xc, jnp.transpose(wc, (2, 3, 1, 0)), CANONICAL
+    else:
+        lhs, rhs, dims = xc, wc, ("NHWC", "OIHW", "NHWC")
+    y = _conv(lhs, rhs, precision, dims, window_strides=(stride, stride),
               padding=((p, p), (p, p)), feature_group_count=groups)
     path = "dense" if groups == 1 else "grouped"
     return y, ConvRes(xc, wc, stride, precision, path)
@@ -95,11 +106,13 @@ def _grouped_input_vjp(res: ConvRes, dy, groups):
     k = w.shape[2]
     p = conv_padding(k)
     pads = [(k - 1 - p, k - 1 - p + _unread(x.shape[d], k, s)) for d in (1, 2)]
-    # Dense: the kernel's O (dim 0) is contracted, I (dim 1) is produced -> "IOHW".
-    # Depthwise: [C, 1, k, k] is its own transpose under feature_group_count = C.
-    dims = ("NHWC", "IOHW" if groups == 1 else "OIHW", "NHWC")
-    return _conv(dy, jnp.flip(w, (2, 3)), res.precision, dims, window_strides=(1, 1),
-                 padding=pads, lhs_dilation=(s, s), feature_group_count=groups)
+    flipped = jnp.flip(w, (2, 3))
+    if groups == 1:  # the kernel's O (dim 0) is contracted, I (dim 1) produced: [k, k, Co, Ci]
+        rhs, dims = jnp.transpose(flipped, (2, 3, 0, 1)), CANONICAL
+    else:  # depthwise: [C, 1, k, k] is its own transpose under feature_group_count = C
+        rhs, dims = flipped, ("NHWC", "OIHW", "NHWC")
+    return _conv(dy, rhs, res.precision, dims, window_strides=(1, 1), padding=pads,
+                 lhs_dilation=(s, s), feature_group_count=groups)
 
 
 def _grouped_weight_vjp(res: ConvRes, dy, groups):
@@ -112,6 +125,11 @@ def _grouped_weight_vjp(res: ConvRes, dy, groups):
     k = w.shape[2]
     p = conv_padding(k)
     pads = [(p, p - _unread(x.shape[d], k, s)) for d in (1, 2)]  # high side may crop (< 0)
+    if groups == 1:  # canonical: x as [Ci, H, W, N] with dy [Ho, Wo, N, Co] as the kernel
+        dw = _conv(jnp.transpose(x, (3, 1, 2, 0)), jnp.transpose(dy, (1, 2, 0, 3)),
+                   res.precision, CANONICAL, res.precision.weight_grad_dtype,
+                   window_strides=(1, 1), padding=pads, rhs_dilation=(s, s))
+        return jnp.transpose(dw, (3, 0, 1, 2))  # [Ci, k, k, Co] -> [Co, Ci, k, k]
     return _conv(x, dy, res.precision, ("CHWN", "IHWO", "CNHW"),
                  res.precision.weight_grad_dtype, window_strides=(1, 1), padding=pads,
                  rhs_dilation=(s, s), batch_group_count=groups)

@@ -1,0 +1,77 @@
+"""The accumulation scan's body against the same gradient step outside any loop, single device,
+f32, timed in one run: ``accumulate`` at k = 1 and k = 2 (the train step's micro-steps, inside a
+``lax.scan``) vs ``grad_step`` (the entry computation). XLA:CPU canonicalizes convolution
+layouts in the entry computation but not in a while loop's body; a ratio near 1 per micro-step
+says the body runs as fast as the step outside it.
+
+    python bench/scan_body.py [--nets resnet50 mnv4] [--res 64] [--batch 4] [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from common import append_results, block, interleaved_medians  # noqa: E402
+
+from twinstep import program, recipes, step  # noqa: E402
+from twinstep.nets import get_net, layers  # noqa: E402
+
+CLASSES = 1000
+
+
+def programs(name: str, res: int, batch: int) -> dict:
+    net = get_net(name)
+    shapes = net.param_shapes(CLASSES)
+    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns())
+    buffers = layers.init_buffers(shapes)
+    rng = np.random.default_rng(0)
+    key = jax.random.key(1)
+    ctx = program.context(1, "f32")
+    xs = jnp.asarray(rng.standard_normal((2, batch, res, res, 3)), jnp.float32)
+    ts = jax.nn.one_hot(jnp.asarray(rng.integers(0, CLASSES, (2, batch))), CLASSES)
+    fns = {}
+    grad = jax.jit(lambda p, b, x, t: step.grad_step(net, p, b, x, t, ctx).grads)
+    grad = grad.lower(params, buffers, xs[0], ts[0]).compile()
+    fns["grad_step"] = lambda: block(grad(params, buffers, xs[0], ts[0]))
+    for k in (1, 2):
+        recipe = recipes.parse(f"{name}in_accdp{k}x{batch}" if k > 1 else f"{name}in_adamdp{batch}")
+        acc = jax.jit(lambda p, b, x, t, recipe=recipe: step.accumulate(
+            net, recipe, p, b, x, t, key, ctx)[0])
+        acc = acc.lower(params, buffers, xs[:k], ts[:k]).compile()
+        fns[f"accumulate k={k}"] = lambda acc=acc, k=k: block(acc(params, buffers, xs[:k],
+                                                                   ts[:k]))
+    return fns
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nets", nargs="+", default=["resnet50", "mnv4"])
+    ap.add_argument("--res", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+    lines = []
+    for name in args.nets:
+        med = interleaved_medians(programs(name, args.res, args.batch), runs=args.runs)
+        g = med["grad_step"]
+        lines.append(f"| {name} | {g * 1e3:.0f} | {med['accumulate k=1'] * 1e3:.0f} | "
+                     f"{med['accumulate k=2'] * 1e3:.0f} | **{med['accumulate k=1'] / g:.2f}** | "
+                     f"**{med['accumulate k=2'] / (2 * g):.2f}** |")
+        print(lines[-1], flush=True)
+    append_results(
+        f"The accumulation scan's body vs the step outside it, one device, {args.res}², "
+        f"N = {args.batch}, f32", "python " + " ".join(sys.argv),
+        "| net | grad_step ms | accumulate k=1 ms | k=2 ms | k=1 / grad_step | "
+        "k=2 / (2 grad_step) |\n|---|---|---|---|---|---|\n" + "\n".join(lines),
+        f"Medians of {args.runs} interleaved runs.")
+
+
+if __name__ == "__main__":
+    main()
