@@ -1,9 +1,11 @@
 """The four data-parallel facts (docs/tie.md), per op kind, under jax.shard_map on R = 1..4 virtual
 CPU devices with deliberately shifted shards — and the negative controls that must break them."""
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from twinstep import oracle
+from twinstep import dp, oracle
 
 REPLICAS = [1, 2, 3, 4]
 N = 2  # per replica
@@ -80,3 +82,13 @@ def test_naive_variance_exchange_loses_precision(count, rng):
     assert chan < 1e-3
     assert naive > 0.1
     assert naive > 100 * chan
+
+
+def test_a_replicated_tree_can_be_donated_without_freeing_the_original():
+    """dp.replicate copies: a program that donates the replicated tree leaves the original
+    readable (device_put with may_alias=False alone handed device 0 the original buffer)."""
+    original = {"a": jnp.arange(4.0)}
+    replicated = dp.replicate(original, 2)
+    jax.jit(lambda t: jax.tree.map(lambda a: a + 1, t), donate_argnums=0)(replicated)
+    assert replicated["a"].is_deleted() and not original["a"].is_deleted()
+    assert float(original["a"].sum()) == 6.0

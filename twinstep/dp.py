@@ -51,8 +51,10 @@ def replicate(tree, count: int):
         return tree
     if hosts.count() > 1:  # each process puts its own devices' copies
         return hosts.placed(tree, NamedSharding(mesh(count), REPLICATED))
-    # copied, never aliased with ``tree``'s buffers: a program may donate the replicated tree
-    return jax.device_put(tree, NamedSharding(mesh(count), REPLICATED), may_alias=False)
+    # copied, never aliased with ``tree``'s buffers: a program may donate the replicated tree.
+    # device_put(may_alias=False) still hands the first device the original buffer (jax 0.10.2),
+    # so the copy is made first.
+    return jax.device_put(jax.tree.map(jnp.copy, tree), NamedSharding(mesh(count), REPLICATED))
 
 
 def abstract_mesh(count: int) -> AbstractMesh:
