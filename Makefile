@@ -73,8 +73,15 @@ test-all: $(VENV)/.installed-test
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check twinstep tests bench
 
-bench: $(VENV)/.installed-test
-	$(BIN)/python bench/step.py
+$(VENV)/.installed-bench: pyproject.toml $(VENV)/.installed-test
+	$(BIN)/python -m pip install -q -e '.[$(EXTRAS_TEST),bench]'
+	touch $@
+
+# The speed tables (bench/RESULTS.md, bench/peers.png): the whole DP train step against the Flax
+# NNX peer and timm + torch, then XLA:CPU's levers and sync-BN's overhead. About an hour here.
+bench: $(VENV)/.installed-bench
+	$(BIN)/python bench/peers.py
+	$(BIN)/python bench/levers.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

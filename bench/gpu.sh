@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU check, one script: twinstep's bf16 train step of both nets at 224² on one device
+# (img/s, MFU; bench/gpu_step.py), then whether XLA kept the bf16 convolutions bf16
+# (bench/gpu_bf16_hlo.py). Needs no network; at most 8 minutes (each part has a time limit).
+#
+#   bash bench/gpu.sh            # from the repository root, on a machine with an NVIDIA GPU
+#
+# JAX with CUDA: the python3 on PATH (or $PY) is used as it is when its JAX sees a GPU; else the
+# [cuda] extra is installed, from wheels in ./.wheels when that folder exists (no network needed:
+# `pip download 'jax[cuda12]>=0.10.2,<0.11' -d .wheels` on a machine that has one), else from the
+# package index. twinstep itself runs from this checkout (PYTHONPATH), not installed.
+# Results: bench/gpu_step.json, or $OUT/ when $OUT is set. Exit: 0 ran, 1 a bf16 check failed,
+# 2 no GPU, 3 environment error.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+out=${OUT:-bench}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# XLA's GPU flags: autotuned cuDNN convolutions (the default level), and the collective and
+# latency-hiding scheduler left as they are: one device has no collectives.
+export XLA_FLAGS=${XLA_FLAGS:---xla_gpu_autotune_level=4}
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
+
+has_gpu() { "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' 2>/dev/null; }
+if ! has_gpu; then
+    echo "gpu.sh: $PY's JAX sees no GPU; installing the [cuda] extra" >&2
+    if [ -d .wheels ]; then
+        "$PY" -m pip install -q --no-index --find-links .wheels -e '.[cuda]' || exit 3
+    else
+        "$PY" -m pip install -q -e '.[cuda]' || exit 3
+    fi
+    has_gpu || { echo "gpu.sh: no GPU for JAX on this machine" >&2; exit 2; }
+fi
+"$PY" -c 'import jax; d = jax.devices()[0]; print(f"jax {jax.__version__} on {d.device_kind}")'
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader \
+    2>/dev/null || true
+
+timeout 390 "$PY" bench/gpu_step.py --json "$out/gpu_step.json"
+step=$?
+timeout 90 "$PY" bench/gpu_bf16_hlo.py --hlo-dir "$out/hlo"
+bf16=$?
+echo "gpu.sh: gpu_step exit $step, gpu_bf16_hlo exit $bf16"
+[ "$step" -eq 0 ] && [ "$bf16" -eq 0 ] && exit 0
+[ "$bf16" -eq 1 ] && exit 1
+exit 3

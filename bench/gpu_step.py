@@ -1,0 +1,145 @@
+"""On a GPU: images per second and MFU of twinstep's bf16 train step at 224², one device.
+
+For each net, the recipe ``<net>in_adamdp<N>bf16`` (AdamW, k = 1, bf16 convolutions, f32 master
+weights, statistics and optimizer) is compiled at a probe batch; XLA's memory analysis of that
+program gives the bytes per example, and the step is compiled again at the largest batch (a
+multiple of 32, at most --max-batch) whose estimate fits in --memory-fraction of the device.
+Synthetic inputs live on the device already: this times the step, not an input pipeline. The
+state is donated, as the trainer does.
+
+MFU = 2 x (the program's multiply-accumulates: forward, input and weight gradients, counted in
+its StableHLO by `twinstep.hlo.macs`) per step / step time / the device's dense bf16 peak.
+
+    python bench/gpu_step.py [--nets resnet50 mnv4] [--res 224] [--steps 30] [--peak-tflops 989]
+
+Prints one line per net and writes bench/gpu_step.json beside itself (or --json PATH). Exit 0
+when it ran, 2 without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from twinstep import hlo, program, recipes, renders
+from twinstep.nets import get_net, layers
+
+# H200 SXM (as H100 SXM): 989.4 dense bf16 TFLOP/s, NVIDIA's datasheet figure without sparsity
+H200_BF16_TFLOPS = 989.4
+GOALS = {"resnet50": 8000, "mnv4": 15000}  # img/s on one H200 (issue 16)
+
+
+def build(net_name: str, batch: int, res: int, classes: int, options: dict | None = None):
+    """(compiled step, its arguments, MACs per step) at ``batch`` examples of ``res``²;
+    ``options``: XLA compiler options for this compile only."""
+    recipe = recipes.parse(f"{net_name}in_adamdp{batch}bf16")
+    net = get_net(net_name)
+    made = program.train_program(net, recipe, classes, 1, "bf16", donate=True)
+    shapes = net.param_shapes(classes)
+    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns())
+    state = made.init(params, layers.init_buffers(shapes))
+    rng = np.random.default_rng(0)
+    xs = jnp.asarray(rng.standard_normal((1, batch, res, res, 3)), jnp.float32)
+    ts = jax.nn.one_hot(jnp.asarray(rng.integers(0, classes, (1, batch))), classes)
+    key = jax.random.key(1)
+    lowered = made.step.lower(state, xs, ts, key)
+    macs = hlo.macs(lowered.as_text())
+    return lowered.compile(compiler_options=options), (state, xs, ts, key), macs
+
+
+def device_bytes() -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    return int(stats.get("bytes_limit", 0))
+
+
+def program_bytes(compiled) -> int:
+    m = compiled.memory_analysis()
+    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes)
+
+
+def largest_batch(net_name, res, classes, probe, fraction, most) -> tuple[int, dict]:
+    """The batch whose estimated footprint fits: bytes(N) = fixed + N x per example, from the
+    probe batch and half of it (compiled without autotuning, which only picks kernels)."""
+    quick = {"xla_gpu_autotune_level": 0}
+    sizes = {n: program_bytes(build(net_name, n, res, classes, quick)[0])
+             for n in (probe // 2, probe)}
+    per_example = (sizes[probe] - sizes[probe // 2]) / (probe - probe // 2)
+    fixed = sizes[probe] - probe * per_example
+    budget = fraction * device_bytes()
+    batch = int((budget - fixed) // max(per_example, 1)) // 32 * 32
+    return max(32, min(most, batch)), {"bytes_per_example": per_example, "fixed_bytes": fixed,
+                                       "device_bytes": device_bytes()}
+
+
+def time_steps(compiled, args, steps: int) -> list[float]:
+    state, xs, ts, key = args
+    for _ in range(3):  # warm-up (autotuning, first-touch allocations)
+        state, metrics = compiled(state, xs, ts, key)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, xs, ts, key)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    if not math.isfinite(float(metrics["loss"])):
+        raise RuntimeError("the loss is not finite")
+    return times
+
+
+def run_net(net_name: str, args) -> dict:
+    t0 = time.perf_counter()
+    batch, memory = largest_batch(net_name, args.res, args.classes, args.probe,
+                                  args.memory_fraction, args.max_batch)
+    compiled, call_args, macs = build(net_name, batch, args.res, args.classes)
+    compile_s = time.perf_counter() - t0
+    times = time_steps(compiled, call_args, args.steps)
+    step_s = statistics.median(times)
+    ips = batch / step_s
+    mfu = 2 * macs / step_s / (args.peak_tflops * 1e12)
+    return {"net": net_name, "batch": batch, "res": args.res, "step_ms": step_s * 1e3,
+            "img_per_s": ips, "goal_img_per_s": GOALS[net_name], "mfu": mfu,
+            "tflop_per_step": 2 * macs / 1e12, "compile_and_sizing_s": compile_s,
+            "step_ms_min_max": [min(times) * 1e3, max(times) * 1e3], **memory}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nets", nargs="+", default=["resnet50", "mnv4"], choices=list(GOALS))
+    p.add_argument("--res", type=int, default=224)
+    p.add_argument("--classes", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=30, help="timed steps (median reported)")
+    p.add_argument("--probe", type=int, default=128, help="the batch the memory is probed at")
+    p.add_argument("--max-batch", type=int, default=1024)
+    p.add_argument("--memory-fraction", type=float, default=0.8)
+    p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
+                   help="the device's dense bf16 peak, for MFU (default: H200's)")
+    p.add_argument("--json", type=Path, default=Path(__file__).with_name("gpu_step.json"))
+    args = p.parse_args(argv)
+    if renders.local_platform() not in ("cuda", "rocm"):
+        print(f"no GPU: JAX runs on {jax.default_backend()}", file=sys.stderr)
+        return 2
+    rows = []
+    for net_name in args.nets:
+        row = run_net(net_name, args)
+        rows.append(row)
+        print(f"{net_name}: batch {row['batch']} at {args.res}², bf16: {row['img_per_s']:,.0f} "
+              f"img/s (goal {row['goal_img_per_s']:,}), {row['step_ms']:.1f} ms/step, MFU "
+              f"{row['mfu']:.1%}, compile + sizing {row['compile_and_sizing_s']:.0f} s",
+              flush=True)
+    args.json.write_text(json.dumps({"device": str(jax.devices()[0].device_kind),
+                                     "jax": jax.__version__, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

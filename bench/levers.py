@@ -1,0 +1,101 @@
+"""XLA:CPU levers on twinstep's whole DP train step, each a variant compiled in the same process
+and timed interleaved with the default: the oneDNN and XNNPACK paths of the installed jaxlib
+(per-compile options, so one run compares them), and state donation; and sync-BN's overhead,
+the gradient step with BN synchronised vs per-replica statistics (the `unsynced` control).
+
+    python bench/levers.py [--nets resnet50 mnv4] [--res 64] [--replicas 2] [--global-batch 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from common import append_results, block, interleaved_medians  # noqa: E402
+
+from twinstep import dp, program, recipes  # noqa: E402
+from twinstep.nets import get_net, layers  # noqa: E402
+
+VARIANTS = {  # name: (XLA compiler options, donate the state)
+    "default (donated)": ({}, True),
+    "not donated": ({}, False),
+    "xla_cpu_use_onednn": ({"xla_cpu_use_onednn": True}, True),
+    "xla_cpu_use_xnnpack": ({"xla_cpu_use_xnnpack": True}, True),
+}
+
+
+def variants(name: str, res: int, replicas: int, global_batch: int, classes: int) -> dict:
+    net = get_net(name)
+    recipe = recipes.parse(f"{name}in_adamdp{global_batch // replicas}")
+    shapes = net.param_shapes(classes)
+    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns())
+    rng = np.random.default_rng(0)
+    xs = jnp.asarray(rng.standard_normal((1, global_batch, res, res, 3)), jnp.float32)
+    ts = jax.nn.one_hot(jnp.asarray(rng.integers(0, classes, (1, global_batch))), classes)
+    key = jax.random.key(1)
+    fns = {}
+    for label, (options, donate) in VARIANTS.items():
+        made = program.train_program(net, recipe, classes, replicas, "f32", donate=donate)
+        # a copy for each variant: a donated state frees its arrays, the originals included
+        state = dp.replicate(made.init(*jax.tree.map(jnp.copy, (
+            params, layers.init_buffers(shapes)))), replicas)
+        try:
+            compiled = made.step.lower(state, xs, ts, key).compile(compiler_options=options)
+        except Exception as e:  # an option this jaxlib does not take: reported, not timed
+            print(f"{label}: {type(e).__name__}: {str(e).splitlines()[0]}", file=sys.stderr)
+            continue
+        box = {"state": state}
+
+        def run(compiled=compiled, box=box):
+            box["state"], metrics = compiled(box["state"], xs, ts, key)
+            block(metrics)
+
+        fns[label] = run
+    # sync-BN's cost: the gradient step with BN synchronised vs per-replica (`unsynced`)
+    p, b = dp.replicate((params, layers.init_buffers(shapes)), replicas)
+    for control in ("none", "unsynced"):
+        grad = program.grad_program(net, replicas, "ce", "f32", control=control,
+                                    per_replica=True)
+        compiled = grad.lower(p, b, xs[0], ts[0]).compile()
+        fns[f"grad step, BN {'synced' if control == 'none' else 'unsynced'}"] = (
+            lambda compiled=compiled: block(compiled(p, b, xs[0], ts[0]).grads))
+    return fns
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nets", nargs="+", default=["resnet50", "mnv4"])
+    ap.add_argument("--res", type=int, nargs="+", default=[64])
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--classes", type=int, default=1000)
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+    dp.ensure_devices(args.replicas)
+    lines = []
+    for name in args.nets:
+        for res in args.res:
+            fns = variants(name, res, args.replicas, args.global_batch, args.classes)
+            med = interleaved_medians(fns, runs=args.runs)
+            for label, t in med.items():
+                base = med["grad step, BN unsynced" if "grad step" in label
+                           else "default (donated)"]
+                lines.append(f"| {name} | {res}² | {label} | {t * 1e3:.0f} | {t / base:.3f} |")
+                print(lines[-1], flush=True)
+    append_results(
+        f"XLA:CPU levers on the whole train step, R = {args.replicas}, global batch "
+        f"{args.global_batch}, f32", "python " + " ".join(sys.argv),
+        "| net | res | variant | ms/step | time / default |\n|---|---|---|---|---|\n"
+        + "\n".join(lines),
+        f"Medians of {args.runs} interleaved runs; time / default < 1: faster (the grad-step "
+        "rows against the unsynced one: sync-BN's overhead).")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""The whole data-parallel train step (forward, loss, backward, gradient all-reduce, AdamW) of
+twinstep against its two peers, timed in the same run:
+
+  twinstep   the recipe ``<net>in_adamdp<N>`` on R virtual CPU devices (its explicit backward)
+  flax       the natural JAX peer (bench/flax_peer.py): Flax NNX with nnx.BatchNorm(axis_name)
+             under shard_map, jax.grad, one pmean per gradient tensor, optax.adamw
+  torch      timm's model with torch autograd and torch.optim.AdamW, the global batch R N in
+             one process (torch's own threads)
+
+All three start from the same parameters and data, run AdamW at the recipe's schedule and
+weight decay, and see the same global batch. Reported: step-time medians of interleaved runs and
+their ratios, compile time (lower + compile), and memory: XLA's planned bytes of the compiled
+program (arguments + outputs + temporaries) for the JAX peers; for torch the peak resident-set
+growth in a fresh process over building the model and two steps. Appends to bench/RESULTS.md
+and draws bench/peers.png.
+
+    python bench/peers.py [--nets resnet50 mnv4] [--res 64 128] [--replicas 2 4]
+                          [--mnv4-res 64] [--mnv4-replicas 2] [--global-batch 8] [--runs 5]
+                          [--xla-flags ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nets", nargs="+", default=["resnet50", "mnv4"])
+    ap.add_argument("--res", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--mnv4-res", type=int, nargs="+", default=[64],
+                    help="MobileNetV4's resolutions: the Flax peer's grouped depthwise "
+                         "convolutions take minutes a step on XLA:CPU at 128²")
+    ap.add_argument("--mnv4-replicas", type=int, nargs="+", default=[2])
+    ap.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--classes", type=int, default=1000)
+    ap.add_argument("--xla-flags", default="", help="extra XLA_FLAGS for every JAX program")
+    ap.add_argument("--no-png", action="store_true")
+    return ap.parse_args()
+
+
+ARGS = _args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.xla_flags:  # before JAX starts
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + ARGS.xla_flags).strip()
+
+import flax_peer  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import torch  # noqa: E402
+from common import RESULTS, append_results, block, interleaved_medians  # noqa: E402
+
+from twinstep import dp, optim, parity, program, recipes  # noqa: E402
+from twinstep.nets import get_net, layers  # noqa: E402
+
+PEERS = ("twinstep", "flax", "torch")
+
+
+def _compiled(jitted, *args):
+    t0 = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    seconds = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    planned = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    return compiled, seconds, planned
+
+
+_TORCH_PEAK = """
+import sys, timm, torch
+
+
+def status(key):  # kB; VmHWM is this process's own peak (ru_maxrss carries the parent's over fork)
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+
+name, res, batch, classes = sys.argv[1], *map(int, sys.argv[2:])
+x, y = torch.randn(batch, 3, res, res), torch.randint(0, classes, (batch,))
+base = status("VmRSS:")
+model = timm.create_model(name, num_classes=classes).train()
+opt = torch.optim.AdamW(model.parameters())
+crit = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+for _ in range(2):
+    opt.zero_grad(set_to_none=True)
+    crit(model(x), y).backward()
+    opt.step()
+print(status("VmHWM:") - base)
+"""
+
+
+def _torch_peak(timm_name: str, res: int, batch: int, classes: int) -> int:
+    """Peak resident-set growth in a fresh process from before the model is built to after two
+    steps: weights, gradients, AdamW's state, activations. (torch's CPU allocator keeps what it
+    freed, so growth in this process after other peers ran would read near zero.)"""
+    out = subprocess.run([sys.executable, "-c", _TORCH_PEAK, timm_name, str(res), str(batch),
+                          str(classes)], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+class Runner:
+    """One peer's step, closed over its own state; ``__call__`` runs one step to completion."""
+
+    def __init__(self, step, state, *inputs):
+        self.step, self.state, self.inputs = step, state, inputs
+
+    def __call__(self):
+        self.state, metrics = self.step(self.state, *self.inputs)
+        block(metrics)
+
+
+def peers(name: str, res: int, replicas: int, global_batch: int, classes: int) -> dict:
+    """{peer: (runner, compile s, memory bytes)} at R replicas of N = global_batch / R."""
+    net = get_net(name)
+    n = global_batch // replicas
+    recipe = recipes.parse(f"{name}in_adamdp{n}")
+    shapes = net.param_shapes(classes)
+    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns())
+    buffers = layers.init_buffers(shapes)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((global_batch, res, res, 3)).astype(np.float32)
+    labels = rng.integers(0, classes, global_batch)
+    t = np.eye(classes, dtype=np.float32)[labels]
+    out = {}
+
+    made = program.train_program(net, recipe, classes, replicas, "f32", donate=True)
+    # a copy: the step donates its state, which must not free the arrays the peers start from
+    state = dp.replicate(made.init(*jax.tree.map(jnp.copy, (params, buffers))), replicas)
+    args = (jnp.asarray(x[None]), jnp.asarray(t[None]), jax.random.key(1))
+    compiled, seconds, planned = _compiled(made.step, state, *args)
+    out["twinstep"] = (Runner(compiled, state, *args), seconds, planned)
+
+    # the peer's own AdamW (optax's, no mask: the recipe decays every tensor) at the schedule
+    opt = optax.adamw(optim.recipe_schedule(recipe), *optim.BETAS, eps=optim.EPS["adamw"],
+                      weight_decay=recipe.effective_weight_decay)
+    model = flax_peer.from_twinstep(name, params, buffers, classes, dp.AXIS if replicas > 1
+                                    else None)
+    step, fstate = flax_peer.train_step_fn(name, model, opt, replicas, dp.AXIS)
+    fargs = (jnp.asarray(x), jnp.asarray(t))
+    compiled, seconds, planned = _compiled(step, fstate, *fargs)
+    out["flax"] = (Runner(compiled, fstate, *fargs), seconds, planned)
+
+    tmodel = parity.to_timm(net, params, buffers, classes, "float32").train()
+    topt = torch.optim.AdamW(tmodel.parameters(), lr=float(recipe.lr), betas=optim.BETAS,
+                             eps=optim.EPS["adamw"], weight_decay=recipe.effective_weight_decay)
+    crit = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    tx, tl = torch.tensor(x.transpose(0, 3, 1, 2)), torch.tensor(labels)
+
+    def torch_step():
+        topt.zero_grad(set_to_none=True)
+        crit(tmodel(tx), tl).backward()
+        topt.step()
+
+    out["torch"] = (torch_step, 0.0, _torch_peak(net.TIMM_NAME, res, global_batch, classes))
+    return out
+
+
+def _png(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['net']} {r['res']}² R={r['replicas']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    y = np.arange(len(rows))
+    for i, peer in enumerate(("flax", "torch")):
+        ax.barh(y + 0.2 * (2 * i - 1), [r[peer] / r["twinstep"] for r in rows], height=0.4,
+                label=f"{peer} time / twinstep time")
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks(y, labels)
+    ax.set_xlabel("step-time ratio (> 1: twinstep is faster)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _row(row: dict, n: int, made: dict) -> str:
+    """A table row: the medians, their ratios, compile seconds and MiB."""
+    tw, mib = row["twinstep"], {p: made[p][2] / 2**20 for p in PEERS}
+    return (f"| {row['net']} | {row['res']}² | {row['replicas']} × {n} | {tw * 1e3:.0f} | "
+            f"{row['flax'] * 1e3:.0f} | {row['torch'] * 1e3:.0f} | "
+            f"**{row['flax'] / tw:.2f}** | **{row['torch'] / tw:.2f}** | "
+            f"{made['twinstep'][1]:.0f} / {made['flax'][1]:.0f} | "
+            f"{mib['twinstep']:.0f} / {mib['flax']:.0f} / {mib['torch']:.0f} |")
+
+
+def main(args) -> None:
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    dp.ensure_devices(max(args.replicas + args.mnv4_replicas))
+    rows, lines = [], []
+    configs = [(name, res, r) for name in args.nets
+               for res in (args.mnv4_res if name == "mnv4" else args.res)
+               for r in (args.mnv4_replicas if name == "mnv4" else args.replicas)]
+    for name, res, r in configs:
+        made = peers(name, res, r, args.global_batch, args.classes)
+        med = interleaved_medians({p: made[p][0] for p in PEERS}, runs=args.runs)
+        rows.append({"net": name, "res": res, "replicas": r, **med})
+        lines.append(_row(rows[-1], args.global_batch // r, made))
+        print(lines[-1], flush=True)
+        del made
+    table = ("| net | res | R × N | twinstep ms | flax ms | torch ms | flax / twinstep | "
+             "torch / twinstep | compile s (twinstep / flax) | MiB (twinstep / flax / torch) |\n"
+             "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines))
+    flags = os.environ.get("XLA_FLAGS", "")
+    append_results(
+        f"Whole DP train step, three peers, f32, global batch {args.global_batch}"
+        + (f", XLA_FLAGS={flags}" if flags else ""),
+        "python " + " ".join(sys.argv), table,
+        f"Medians of {args.runs} interleaved runs; a ratio above 1 means twinstep is faster. "
+        "Memory: XLA's planned bytes (arguments + outputs + temporaries) of the compiled "
+        "program for the JAX peers; for torch the peak resident-set growth in a fresh process "
+        "over building the model and two steps (weights, gradients, AdamW's state, "
+        "activations). torch compiles nothing.")
+    if not args.no_png:
+        _png(rows, RESULTS.with_name("peers.png"))
+
+
+if __name__ == "__main__":
+    main(ARGS)
