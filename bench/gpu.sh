@@ -22,6 +22,8 @@ export XLA_FLAGS=${XLA_FLAGS:---xla_gpu_autotune_level=4}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 
 has_gpu() { "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' 2>/dev/null; }
+# no NVIDIA GPU: stop before installing anything
+nvidia-smi -L > /dev/null 2>&1 || { echo "gpu.sh: no NVIDIA GPU on this machine" >&2; exit 2; }
 if ! has_gpu; then
     echo "gpu.sh: $PY's JAX sees no GPU; installing the [cuda] extra" >&2
     if [ -d .wheels ]; then
