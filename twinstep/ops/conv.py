@@ -91,10 +91,10 @@ def _grouped_forward(x, w, stride, precision, groups):
     cd = precision.conv_dtype
     xc, wc = round_to(x, cd), round_to(w, cd)
     if groups == 1:
-        lhs, rhs, dims = xc, jnp.transpose(wc, (2, 3, 1, 0)), CANONICAL
+        rhs, dims = jnp.transpose(wc, (2, 3, 1, 0)), CANONICAL
     else:
-        lhs, rhs, dims = xc, wc, ("NHWC", "OIHW", "NHWC")
-    y = _conv(lhs, rhs, precision, dims, window_strides=(stride, stride),
+        rhs, dims = wc, ("NHWC", "OIHW", "NHWC")
+    y = _conv(xc, rhs, precision, dims, window_strides=(stride, stride),
               padding=((p, p), (p, p)), feature_group_count=groups)
     path = "dense" if groups == 1 else "grouped"
     return y, ConvRes(xc, wc, stride, precision, path)
