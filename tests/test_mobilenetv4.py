@@ -53,7 +53,10 @@ CHAIN_IN_MAKE_TEST = ((32, 4, True),)
 
 
 def shape_params(in_make_test) -> list:
-    return [pytest.param(s, id=i, marks=() if s in in_make_test else pytest.mark.all)
+    """One param per shape; a shape's tests share one worker (xdist group), where `_compiled`
+    keeps its program: compiled once, not once on each worker."""
+    return [pytest.param(s, id=i, marks=(pytest.mark.xdist_group(f"mnv4-{i}"),
+                                         *(() if s in in_make_test else (pytest.mark.all,))))
             for s, i in zip(SHAPES, SHAPES_IDS, strict=True)]
 
 
