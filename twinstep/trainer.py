@@ -5,9 +5,11 @@ A run lives in RUN_DIR: ``config.json`` (the resolved configuration), ``metrics.
 ``tb/`` (a train record every ``log_every`` steps, an eval record at each evaluation:
 `twinstep.runlog`), ``checkpoints/`` (orbax, the last ``keep``). Everything a step depends on —
 parameters, global BN running statistics, optimizer state, EMA, the step count — is in the
-checkpoint; the batch, its augmentation and the step's key are functions of (seed, step)
-(`twinstep.data.loader`), so a run resumed from any checkpoint continues bit for bit as the
-uninterrupted run would have, with any number of loader workers.
+checkpoint, once: every replica holds the same state, so one host copy is written (by process 0)
+and placed on the run's replicas again at restore, whatever their number. The batch, its
+augmentation and the step's key are functions of (seed, step) (`twinstep.data.loader`), so a run
+resumed from any checkpoint continues bit for bit as the uninterrupted run would have, with any
+number of loader workers.
 """
 
 from __future__ import annotations
@@ -338,14 +340,16 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     prog = program.train_program(net, recipe, src.classes, cfg.replicas, cfg.precision,
                                  fast_compile=cfg.fast_compile)
     eval_fn = program.eval_program(net, cfg.precision, cfg.fast_compile)
-    state = dp.replicate(init_state(cfg, net, prog, src.classes), cfg.replicas)
+    state = init_state(cfg, net, prog, src.classes)
     if cfg.artifact is not None:
         prog = _artifact_program(cfg, prog, src.classes)
     manager = ocp.CheckpointManager(os.path.abspath(os.path.join(cfg.out, "checkpoints")),
                                     options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep))
     if resuming and manager.latest_step() is not None:
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(target))
+        target = jax.tree.map(lambda a: np.empty(a.shape, a.dtype), state)
+        state = jax.device_put(manager.restore(manager.latest_step(),
+                                               args=ocp.args.StandardRestore(target)))
+    state = dp.replicate(state, cfg.replicas)
     start = int(hosts.local_value(state.step))
     stream = loader.train_stream(src, _augment(src, recipe), cfg.seed, start, cfg.steps,
                                  recipe.accum, cfg.rows, get_precision(cfg.precision).dtype,
@@ -439,7 +443,9 @@ def _loop(cfg, recipe, src, prog, eval_fn, state, manager, stream, log, progress
             last_eval = evaluate(src, cfg, state, eval_fn)
             log.eval(done, last_eval)
         if done % cfg.ckpt_every == 0 or done == cfg.steps:
-            manager.save(done, args=ocp.args.StandardSave(state))
+            # one host copy: R replicated device arrays took orbax 4x as long (bench/RESULTS.md)
+            manager.save(done, args=ocp.args.StandardSave(jax.tree.map(hosts.local_value,
+                                                                       state)))
         if progress is not None:
             progress(done, {**record, **({"eval": last_eval} if last_eval else {})})
     return last_eval or evaluate(src, cfg, state, eval_fn)
