@@ -5,7 +5,8 @@ Padding is symmetric, (k - 1) // 2 on each side (3 for the 7x7 stem), never XLA 
 
 Output size: Ho = (H + 2p - k) // s + 1. When the stride does not tile the padded input exactly,
 the last ``r = H + 2p - k - (Ho - 1) s`` padded rows are read by no window; both VJPs account for
-them (their input gradient is zero).
+them (their input gradient is zero), and the forward crops them from its high padding: the same
+output, bitwise, on XLA, and the only form IREE's llvm-cpu backend compiles (bench/iree_conv.py).
 
 Depthwise has two paths with identical results: ``grouped`` (one XLA convolution with
 ``feature_group_count = C``) and ``shift`` (k^2 strided slices, multiply-adds). XLA:CPU runs the
@@ -94,8 +95,9 @@ def _grouped_forward(x, w, stride, precision, groups):
         rhs, dims = jnp.transpose(wc, (2, 3, 1, 0)), CANONICAL
     else:
         rhs, dims = wc, ("NHWC", "OIHW", "NHWC")
-    y = _conv(xc, rhs, precision, dims, window_strides=(stride, stride),
-              padding=((p, p), (p, p)), feature_group_count=groups)
+    pads = [(p, p - _unread(x.shape[d], w.shape[2], stride)) for d in (1, 2)]
+    y = _conv(xc, rhs, precision, dims, window_strides=(stride, stride), padding=pads,
+              feature_group_count=groups)
     path = "dense" if groups == 1 else "grouped"
     return y, ConvRes(xc, wc, stride, precision, path)
 
