@@ -3,8 +3,9 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The oracle extra (torch, timm) is ~5.5 GB from this machine's local wheel cache.
-EXTRAS_TEST := oracle,dev
+# The oracle extra (torch, timm) is ~5.5 GB from this machine's local wheel cache; the iree
+# extra (IREE's compiler and runtime) is what tests/test_iree.py runs renders on.
+EXTRAS_TEST := oracle,dev,iree
 DEMO_NETS := resnet50 mnv4
 
 .PHONY: demo certify test test-fast test-all lint bench clean
@@ -58,7 +59,7 @@ ARGS ?=
 # The inner loop: no whole-network compile, no oracle extra needed.
 test-fast: $(VENV)/.installed-dev
 	$(BIN)/ruff check twinstep tests bench
-	$(PYTEST) -q -n $(WORKERS) -m "not slow and not oracle and not all" $(ARGS)
+	$(PYTEST) -q -n $(WORKERS) -m "not slow and not oracle and not iree and not all" $(ARGS)
 
 # What CI runs: every claim of the suite once, in its smallest configuration.
 test: $(VENV)/.installed-test

@@ -3,9 +3,10 @@ programs (both before JAX's first operation), a deterministic hypothesis profile
 same shapes every run, and the tiers.
 
 Tiers (markers, pyproject.toml): ``slow`` compiles a whole network, ``oracle`` runs torch / timm,
-``all`` belongs to the exhaustive matrix. `make test-fast` runs ``not slow and not oracle and not
-all``, `make test` runs ``not all``, `make test-all` runs everything, with TWINSTEP_HYPOTHESIS=all
-for the whole-network sweeps' random draws (`SWEEP_PHASES`).
+``iree`` runs IREE, ``all`` belongs to the exhaustive matrix. `make test-fast` runs ``not slow and
+not oracle and not iree and not all``, `make test` runs ``not all``, `make test-all` runs
+everything, with TWINSTEP_HYPOTHESIS=all for the whole-network sweeps' random draws
+(`SWEEP_PHASES`).
 """
 
 import os
@@ -20,6 +21,7 @@ dp.ensure_devices(8)
 
 import ctypes  # noqa: E402
 import gc  # noqa: E402
+import importlib.util  # noqa: E402
 
 import numpy as np  # noqa: E402
 import oracle_libs  # noqa: E402
@@ -47,6 +49,10 @@ _LIBC = ctypes.CDLL("libc.so.6")
 def pytest_collection_modifyitems(config, items):
     if not oracle_libs.available() and any(i.get_closest_marker("oracle") for i in items):
         raise pytest.UsageError(oracle_libs.MISSING)
+    if (importlib.util.find_spec("iree") is None
+            and any(i.get_closest_marker("iree") for i in items)):
+        raise pytest.UsageError("the iree tests need IREE: install the [iree] extra, or run "
+                                "`make test-fast`, which leaves them out")
     # a group's heavy tests share one worker (and its memory); xdist marks them "...@group"
     grouping = getattr(config.option, "loadgroup", False)  # set on xdist's workers
     if grouping and any(i.get_closest_marker("xdist_group") and "@" not in i.nodeid

@@ -133,12 +133,17 @@ class Artifact(NamedTuple):
         return program.artifact_program(self.exported, self.manifest, fast_compile, donate)
 
 
+ARTIFACT_SUFFIXES = (".jaxexport", ".vmfb")  # XLA's serialized export; IREE's module
+
+
 def read_manifest(path: str) -> dict:
-    """The manifest (NAME.json) of the artifact NAME.jaxexport, unchecked."""
-    if not path.endswith(".jaxexport"):
-        raise UsageError(f"{path}: an artifact is a NAME.jaxexport file from 'twinstep render'")
+    """The manifest (NAME.json) of the artifact NAME.jaxexport or NAME.vmfb, unchecked."""
+    suffix = next((s for s in ARTIFACT_SUFFIXES if path.endswith(s)), None)
+    if suffix is None:
+        raise UsageError(f"{path}: an artifact is a NAME.jaxexport or NAME.vmfb file from "
+                         f"'twinstep render'")
     try:
-        with open(path[:-len(".jaxexport")] + ".json") as f:
+        with open(path[:-len(suffix)] + ".json") as f:
             return json.load(f)
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot read the artifact's manifest: {e}") from None
@@ -155,27 +160,33 @@ def load_artifact(path: str) -> Artifact:
 
 def tie_artifact(path: str, steps: int | None = None, seed: int = 0, shift: bool = True,
                  fast_compile: bool = False, progress=None):
-    """Tie a render's deserialized step (an f64 render, for this platform) against the
-    single-device Python step over ``steps`` whole steps; net, R, N, resolution, classes and
-    recipe come from its manifest. Returns a `twinstep.ties.StepsReport`."""
-    from twinstep import renders, ties
+    """Tie a render's step (an f64 render) against the single-device Python step over ``steps``
+    whole steps; net, R, N, resolution, classes and recipe come from its manifest. ``path``:
+    NAME.jaxexport (the deserialized program on XLA, rendered for this platform) or NAME.vmfb
+    ('render --target iree': IREE's module on IREE's CPU driver). Returns a
+    `twinstep.ties.StepsReport`."""
+    from twinstep import program, renders, ties
 
     _one_process("a tie of an artifact")
-    art = load_artifact(path)
-    m = art.manifest
+    if path.endswith(".vmfb"):
+        vmfb, exported, m = renders.load_iree(path)
+    else:
+        art = load_artifact(path)
+        m = art.manifest
     if m["precision"] != "f64":
         raise UsageError(f"{path} is a {m['precision']} render; the tie is exact in f64: render "
                          f"it again with --precision f64 (the same program in f64)")
-    if m["platform"] != renders.local_platform():
+    if not path.endswith(".vmfb") and m["platform"] != renders.local_platform():
         raise UsageError(f"{path} was rendered for {m['platform']}; this process runs "
                          f"{renders.local_platform()}")
     cfg = ties.TieConfig(m["net"], m["replicas"], m["batch"], m["res"], m["classes"],
                          parse_recipe(m["name"]).loss, "f64", seed, shift, "none", fast_compile,
                          m["name"])
     with _x64("f64"):
+        replica = (program.iree_program(vmfb, exported, m) if path.endswith(".vmfb")
+                   else art.step(fast_compile, donate=True))
         report = ties.run_steps_tie(cfg, steps=ties.STEPS if steps is None else steps,
-                                    progress=progress,
-                                    replica=art.step(fast_compile, donate=True))
+                                    progress=progress, replica=replica)
     report.artifact = path
     return report
 
@@ -202,8 +213,9 @@ def train(recipe: str, out: str, progress=None, warn=None, **config) -> dict:
 def render(name: str, replicas: int = 1, out: str | None = None, **config):
     """Export recipe ``name``'s whole train step for an R-device mesh (no R devices needed).
     ``config``: the fields of `twinstep.renders.RenderConfig` (res, classes, precision,
-    platform, control). With ``out`` the three files are written there. Returns a
-    `twinstep.renders.Render` (``.exported``, ``.mlir``, ``.manifest``)."""
+    platform, control, target). With ``out`` the three files are written there (and NAME.vmfb
+    with target="iree"). Returns a `twinstep.renders.Render` (``.exported``, ``.mlir``,
+    ``.manifest``, ``.vmfb``)."""
     from twinstep import files, renders
 
     cfg = renders.RenderConfig(name, replicas, **config)

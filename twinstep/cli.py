@@ -20,7 +20,7 @@ import sys
 import time
 
 from twinstep import __version__
-from twinstep.errors import ClusterError, UsageError
+from twinstep.errors import BackendError, ClusterError, UsageError
 
 # ----------------------------------------------------------------------------- shared options
 
@@ -372,10 +372,12 @@ def add_tie(sub) -> None:
                         "compile), later for resnet50's (mostly running)")
     t.add_argument("--artifact", metavar="PATH",
                    help="tie a render instead of the Python step: PATH is NAME.jaxexport from "
-                        "'twinstep render --precision f64' (its NAME.json beside it); the "
-                        "deserialized program runs on R devices against the single-device "
-                        "Python step, over --steps whole steps. Net, R, N, resolution, classes "
-                        "and recipe come from the manifest")
+                        "'twinstep render --precision f64' (its NAME.json beside it), the "
+                        "deserialized program run by XLA on R devices, or NAME.vmfb from "
+                        "'render --target iree --precision f64', IREE's build run by IREE's "
+                        "runtime; against the single-device Python step, over --steps whole "
+                        "steps. Net, R, N, resolution, classes and recipe come from the "
+                        "manifest")
     _cluster(t)
 
 
@@ -392,8 +394,9 @@ def run_tie(args, parser) -> int:
     from twinstep import api, hosts, report, ties
 
     if args.artifact is not None:
-        if not args.artifact.endswith(".jaxexport"):
-            parser.error("--artifact takes a NAME.jaxexport file from 'twinstep render'")
+        if not args.artifact.endswith(api.ARTIFACT_SUFFIXES):
+            parser.error("--artifact takes a NAME.jaxexport or NAME.vmfb file from 'twinstep "
+                         "render'")
         given = [k for k in _ARTIFACT_FIXED if getattr(args, k) is not None]
         if given or args.control != "none":
             parser.error(f"--artifact takes the configuration from its manifest; drop "
@@ -457,7 +460,10 @@ def add_render(sub) -> None:
                     "Flat signature: inputs = state leaves, xs [k, R*N, S, S, 3], ts [k, R*N, K],"
                     " key uint32[2];\noutputs = state leaves, loss, lr. xs and ts are sharded "
                     "by rows over the mesh.\n\n"
-                    "Exit 0 when every render was written, 2 on a bad name or option.")
+                    "With --target iree also NAME.vmfb: IREE's llvm-cpu build of the StableHLO, "
+                    "for one device (the manifest records IREE's version and flags).\n\n"
+                    "Exit 0 when every render was written, 2 on a bad name or option, 3 when "
+                    "IREE is missing or cannot compile the step.")
     d.add_argument("name", nargs="?", help="a recipe name (docs/recipes.md) or preset; see "
                                            "'twinstep recipe'")
     d.add_argument("--all", action="store_true",
@@ -479,6 +485,11 @@ def add_render(sub) -> None:
     d.add_argument("--control", choices=sorted(CONTROLS), default="none",
                    help="render a deliberately broken step (a negative control that "
                         "'twinstep tie --artifact' must fail; the manifest records it)")
+    d.add_argument("--target", choices=renders.TARGETS, default="xla",
+                   help="xla (default): the three files; iree: also NAME.vmfb, the StableHLO "
+                        "compiled by IREE for its llvm-cpu backend (the [iree] extra; R = 1, "
+                        "platform cpu; minutes for a whole net), which 'twinstep tie "
+                        "--artifact NAME.vmfb' runs with IREE's runtime")
 
 
 def run_render(args, parser) -> int:
@@ -497,13 +508,13 @@ def run_render(args, parser) -> int:
     rows = []
     for name in names:  # every configuration checked before the first export
         renders.RenderConfig(name, args.replicas, res, args.classes, args.precision,
-                            args.platform, args.control)
+                            args.platform, args.control, args.target)
     for i, name in enumerate(names):
         t0 = time.perf_counter()
         with report.status(f"rendering {name} ({i + 1}/{len(names)})"):
             made = api.render(name, args.replicas, args.out, res=res, classes=args.classes,
                               precision=args.precision, platform=args.platform,
-                              control=args.control)
+                              control=args.control, target=args.target)
         rows.append((made.manifest, time.perf_counter() - t0))
     report.render_table(rows, args.replicas, args.out, Console())
     return 0
@@ -750,7 +761,7 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"twinstep {args.command}: {e}", file=sys.stderr)
         return 2
-    except ClusterError as e:
+    except (ClusterError, BackendError) as e:
         print(f"twinstep {args.command}: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:

@@ -10,3 +10,8 @@ class UsageError(ValueError):
 class ClusterError(RuntimeError):
     """The multi-process runtime could not be joined (a coordinator port taken, a process that
     never came): an environment error, exit 3 in one line."""
+
+
+class BackendError(RuntimeError):
+    """An optional backend (IREE, the [iree] extra) is missing or failed on a program: an
+    environment error, exit 3 in one line."""

@@ -7,6 +7,7 @@ here are a step's mesh and ``shard_map`` specs chosen.
                  step(state, xs [k, R N, S, S, 3], ts [k, R N, K], key) -> (state, metrics)
                  a recipe's whole step (`step.train_step`)
   artifact_program   a render's deserialized step, callable like train_program's step
+  iree_program   a render compiled by IREE (NAME.vmfb), callable alike
 
 At R = 1 a program is jit of the single-device function: `Replicas` emits no collective, so
 there is nothing to map. At R > 1 it is jit(shard_map) over the 1-D replica mesh: ``mesh=None``
@@ -148,6 +149,32 @@ def artifact_program(exported: jax.export.Exported, manifest: dict, fast_compile
     call = dp.jit(exported.call, fast_compile, donate=state_args if donate else ())
     mesh = dp.mesh(r) if r > 1 else None
 
+    def place(args):
+        if mesh is None:
+            return args
+        return [jax.device_put(a, NamedSharding(mesh, P(*i["spec"])))
+                for a, i in zip(args, inputs, strict=True)]
+
+    return _flat_step(inputs, lambda args: call(*place(args)))
+
+
+def iree_program(vmfb: bytes, exported: jax.export.Exported, manifest: dict):
+    """A render's IREE module (NAME.vmfb, `twinstep.iree_backend`) as train_program's step, on
+    IREE's CPU driver: host arrays in, host arrays out (single-device renders only). The
+    module's main takes only the inputs the program reads (``exported.module_kept_var_idx``:
+    jax.export drops the rest, e.g. the key of a step that draws no masks)."""
+    from twinstep import iree_backend
+
+    if manifest["replicas"] != 1:
+        raise UsageError("IREE runs single-device renders (R = 1) only")
+    call, kept = iree_backend.load(vmfb), sorted(exported.module_kept_var_idx)
+    return _flat_step(manifest["inputs"], lambda args: [
+        jax.numpy.asarray(o) for o in call(*(np.asarray(args[i]) for i in kept))])
+
+
+def _flat_step(inputs: list[dict], call):
+    """train_program's step over a flat render signature: state leaves, xs, ts and the key's
+    data in (checked against the manifest's ``inputs``), state leaves, loss and lr out."""
     def run(state, xs, ts, key):
         leaves, treedef = jax.tree.flatten(state)
         args = [*leaves, xs, ts, jax.random.key_data(key)]
@@ -158,10 +185,7 @@ def artifact_program(exported: jax.export.Exported, manifest: dict, fast_compile
             diff = next((w, h) for w, h in itertools.zip_longest(want, have) if w != h)
             raise UsageError(f"the artifact's inputs differ from this step's: it takes {diff[1]}"
                              f" where this step has {diff[0]}")
-        if mesh is not None:
-            args = [jax.device_put(a, NamedSharding(mesh, P(*i["spec"])))
-                    for a, i in zip(args, inputs, strict=True)]
-        *leaves, loss, lr = call(*args)
+        *leaves, loss, lr = call(args)
         return jax.tree.unflatten(treedef, leaves), {"loss": loss, "lr": lr}
 
     return run

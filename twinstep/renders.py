@@ -10,6 +10,8 @@ gradient collective, k accumulated micro-steps, clip, optimizer, EMA — jitted 
 - ``NAME.jaxexport``: the serialized ``jax.export.Exported``, for machines. It runs with no
   model code (`twinstep/artifact.py` is a runner that imports nothing from twinstep).
 - ``NAME.json``: the manifest (`MANIFEST_KEYS`).
+- ``NAME.vmfb`` (``--target iree``, R = 1): the StableHLO compiled by IREE for its llvm-cpu
+  backend (`twinstep.iree_backend`); the manifest's "iree" entry records the compiler and flags.
 
 The exported function is flat so that it needs no pytree registrations to load:
 
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 import twinstep
-from twinstep import dp, files, hlo, program, recipes, runtime, step
+from twinstep import dp, files, hlo, iree_backend, program, recipes, runtime, step
 from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS, SITES, grad_buckets
 from twinstep.errors import UsageError
 from twinstep.nets import get_net, layers
@@ -51,6 +53,7 @@ BN_SITES = ("bn_forward_mean", "bn_forward_var", "bn_backward")
 SMALL_RES = 32  # `render --all`: the resolution of the committed manifests
 DEFAULT_CLASSES = 1000
 SUFFIXES = (".mlir", ".jaxexport", ".json")
+IREE_SUFFIX = ".vmfb"  # the fourth file of an IREE-target render
 MANIFEST_KEYS = ("name", "recipe", "versions", "platform", "net", "replicas", "batch",
                  "global_batch", "accum", "res", "classes", "precision", "control", "parameters",
                  "mesh", "depthwise_path", "inputs", "outputs", "collectives", "convolutions",
@@ -62,6 +65,11 @@ class RenderError(UsageError):
 
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+# xla: the three files; iree: and NAME.vmfb, IREE's llvm-cpu build of the StableHLO, whose
+# depthwise convolutions are grouped convolutions (IREE lowers them as depthwise convolutions:
+# in bench/RESULTS.md's MNv4 step a faster compile and step than the shifted multiply-adds
+# XLA:CPU needs, which in bf16 exceed IREE's stack limit for a dispatch)
+TARGETS = ("xla", "iree")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +84,7 @@ class RenderConfig:
     precision: str | None = None  # None: the recipe's (bf16 with the bf16 token, else f32)
     platform: str | None = None  # None: this process's backend; the depthwise path follows it
     control: str = "none"  # a negative control (twinstep.collectives.CONTROLS): a broken step
+    target: str = "xla"  # TARGETS; iree: for CPU (platform cpu), R = 1
 
     def __post_init__(self):
         try:
@@ -100,13 +109,43 @@ class RenderConfig:
                               f"statistics, which a whole step's replicated state cannot hold")
         if self.classes < 2:
             raise RenderError(f"--classes must be >= 2, got {self.classes}")
-        for field, allowed in (("precision", PRECISIONS), ("platform", PLATFORMS)):
+        for field, allowed in (("precision", PRECISIONS), ("platform", PLATFORMS),
+                               ("target", TARGETS)):
             if getattr(self, field) not in (None, *allowed):
                 raise RenderError(f"unknown --{field} {getattr(self, field)!r}; choose from "
                                   f"{', '.join(allowed)}")
         object.__setattr__(self, "recipe", recipe)
         object.__setattr__(self, "res", res)
         object.__setattr__(self, "precision", self.precision or ("bf16" if recipe.bf16 else "f32"))
+        if self.target == "iree":
+            _check_iree(self)
+            object.__setattr__(self, "platform", "cpu")
+
+
+def _check_iree(cfg: RenderConfig) -> None:
+    """What an IREE-target render needs, before anything is exported."""
+    if cfg.replicas != 1:
+        raise RenderError("--target iree renders one device (--replicas 1): IREE reads neither "
+                          "Shardy's sdy dialect nor GSPMD's shardings, and its CPU driver has "
+                          "no collectives (docs/renders.md#iree)")
+    if cfg.platform not in (None, "cpu"):
+        raise RenderError(f"--target iree compiles for IREE's llvm-cpu backend: --platform cpu, "
+                          f"not {cfg.platform}")
+    refusal = iree_refusal(cfg.recipe)
+    if refusal:
+        raise RenderError(refusal)
+    iree_backend.version()  # installed, or a one-line BackendError now
+
+
+def iree_refusal(recipe: recipes.Recipe) -> str | None:
+    """Why IREE cannot run the recipe's step, if it cannot (bench/iree_renders.py compiles
+    these anyway and shows the failure)."""
+    if recipe.accum > 1 and (recipe.drop or recipe.dropout):
+        return (f"{recipe.name}: IREE 3.13's runtime fails steps that draw masks (drop path, "
+                f"dropout) in k >= 2 micro-steps: 'indirect buffer reference slot 0 is out "
+                f"range' (python bench/iree_masks.py); a recipe with masks renders for IREE at "
+                f"k = 1")
+    return None
 
 
 @dataclasses.dataclass
@@ -117,6 +156,7 @@ class Render:
     mlir: str
     serialized: bytes
     manifest: dict
+    vmfb: bytes | None = None  # --target iree: IREE's module
 
 
 def local_platform() -> str:
@@ -151,7 +191,7 @@ def export_step(cfg: RenderConfig, single: bool = False) -> Export:
     recipe, net = cfg.recipe, get_net(cfg.recipe.net)
     prec = get_precision(cfg.precision)
     platform = cfg.platform or local_platform()
-    depthwise = conv.default_depthwise_path(platform)
+    depthwise = "grouped" if cfg.target == "iree" else conv.default_depthwise_path(platform)
     replicas = 1 if single else cfg.replicas
     mesh = dp.abstract_mesh(replicas) if replicas > 1 else None
     with runtime.jax_settings(jax_enable_x64=prec.name == "f64",
@@ -258,7 +298,12 @@ def render(cfg: RenderConfig) -> Render:
                          "dtypes": sorted({d for c in convs
                                            for _, d in c["operands"] + [c["result"]]})},
     }
-    return Render(cfg, recipe, exported, mlir, serialized, manifest)
+    if cfg.target != "iree":
+        return Render(cfg, recipe, exported, mlir, serialized, manifest)
+    manifest["iree"] = {"compiler": iree_backend.version(), "flags": iree_backend.flags(
+        e.precision), "driver": iree_backend.DRIVER}
+    return Render(cfg, recipe, exported, mlir, serialized, manifest,
+                  iree_backend.compile_mlir(mlir, e.precision))
 
 
 def dump_manifest(manifest: dict) -> str:
@@ -275,17 +320,19 @@ def dump_manifest(manifest: dict) -> str:
 
 
 def write(r: Render, out: str) -> dict[str, str]:
-    """Write NAME.mlir, NAME.jaxexport and NAME.json into ``out``; returns {suffix: path}.
-    All three go to temporary files first and are renamed into place together, so a failed
-    write leaves neither partial files nor a manifest whose hashes describe other files."""
+    """Write NAME.mlir, NAME.jaxexport (and NAME.vmfb) and NAME.json into ``out``; returns
+    {suffix: path}. All go to temporary files first and are renamed into place together, so a
+    failed write leaves neither partial files nor a manifest whose hashes describe other files."""
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, r.config.name)
     blobs = {".mlir": r.mlir.encode(), ".jaxexport": r.serialized}
+    if r.vmfb is not None:
+        blobs[IREE_SUFFIX] = r.vmfb
     r.manifest["files"] = {os.path.basename(stem + s): {"bytes": len(b),
                                                          "sha256": hashlib.sha256(b).hexdigest()}
                            for s, b in blobs.items()}
     blobs[".json"] = dump_manifest(r.manifest).encode()
-    # the manifest last: it holds both hashes, so an interrupted or concurrent publish leaves a
+    # the manifest last: it holds the hashes, so an interrupted or concurrent publish leaves a
     # set that `load` refuses, never a mixed one that loads
     files.publish({stem + suffix: blob for suffix, blob in blobs.items()},
                   lock=os.path.join(out, f".{r.config.name}.lock"))
@@ -350,13 +397,29 @@ def load(path: str) -> tuple[jax.export.Exported, dict]:
     states — all before anything runs (RenderError, one line)."""
     if not path.endswith(".jaxexport"):
         raise RenderError(f"{path}: an artifact is a NAME.jaxexport file")
-    stem = path[:-len(".jaxexport")]
+    exported, manifest, _ = _load_set(path[:-len(".jaxexport")], path)
+    return exported, manifest
+
+
+def load_iree(path: str) -> tuple[bytes, jax.export.Exported, dict]:
+    """(the IREE module, Exported, manifest) of NAME.vmfb from 'render --target iree', checked
+    as `load` checks a set, NAME.vmfb's sha256 included."""
+    if not path.endswith(IREE_SUFFIX):
+        raise RenderError(f"{path}: an IREE artifact is a NAME{IREE_SUFFIX} file")
+    exported, manifest, vmfb = _load_set(path[:-len(IREE_SUFFIX)], path, IREE_SUFFIX)
+    if "iree" not in manifest:
+        raise RenderError(f"{path}: its manifest records no IREE build ('render --target iree')")
+    return vmfb, exported, manifest
+
+
+def _load_set(stem: str, path: str, extra: str | None = None):
+    """(Exported, manifest, the ``extra`` file's bytes or None) of the render at ``stem``."""
     try:
         manifest = json.loads(_read(stem + ".json"))
     except ValueError as e:
         raise RenderError(f"{stem}.json is not JSON: {e}") from None
     check_manifest(manifest, stem + ".json")
-    blobs = {suffix: _read(stem + suffix) for suffix in (".mlir", ".jaxexport")}
+    blobs = {suffix: _read(stem + suffix) for suffix in (".mlir", ".jaxexport", extra) if suffix}
     for suffix, blob in blobs.items():
         entry = manifest["files"].get(os.path.basename(stem + suffix)) if isinstance(
             manifest["files"], dict) else None
@@ -366,10 +429,10 @@ def load(path: str) -> tuple[jax.export.Exported, dict]:
     try:
         exported = jax.export.deserialize(bytearray(blobs[".jaxexport"]))
     except Exception as e:  # noqa: BLE001 - any failure to deserialize is a bad file
-        raise RenderError(f"{path} cannot be deserialized ({type(e).__name__}): a corrupt "
-                          f"render?") from None
+        raise RenderError(f"{stem}.jaxexport cannot be deserialized ({type(e).__name__}): a "
+                          f"corrupt render?") from None
     _check_signature(exported, manifest, path)
-    return exported, manifest
+    return exported, manifest, blobs.get(extra)
 
 
 def _check_signature(exported, manifest: dict, path: str) -> None:

@@ -5,6 +5,7 @@ with the checks that make them (`twinstep.ties`, `twinstep.certify`)."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 from rich.console import Console
 from rich.markup import escape
@@ -170,6 +171,13 @@ def render_table(rows: list, replicas: int, out: str, console=None) -> None:
                       f"{m['convolutions']['count']} {'/'.join(m['convolutions']['dtypes'])}",
                       f"{m['files'][exported]['bytes'] / 2**20:.1f}", f"{seconds:.0f}")
     console.print(table)
+    for m, _ in rows:  # --target iree: the module and what runs it
+        vmfb = next((f for f in m["files"] if f.endswith(".vmfb")), None)
+        if vmfb:
+            console.print(f"{vmfb}: IREE {m['iree']['compiler']} llvm-cpu module, "
+                          f"{m['files'][vmfb]['bytes'] / 2**20:.1f} MiB; run it with "
+                          f"'twinstep tie --artifact {os.path.join(out, vmfb)}'",
+                          highlight=False, soft_wrap=True)
 
 
 def certify_report(report, seconds: float, console: Console | None = None) -> None:
