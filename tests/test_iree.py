@@ -39,7 +39,7 @@ def _f64_program() -> str:
 
 
 @pytest.mark.iree
-def test_an_f64_program_runs_in_f64_on_iree():
+def test_an_f64_program_runs_in_f64_on_iree(tmp_path, monkeypatch):
     """`iree_backend.flags("f64")` keeps an f64 program f64 and links its cos: the result is
     numpy's to 1e-14. The control, the same program under IREE's defaults (what flags("f32")
     gives), is demoted to f32: it takes f32 arguments and is 1e-8 off — six orders of magnitude
@@ -48,7 +48,9 @@ def test_an_f64_program_runs_in_f64_on_iree():
     x, w = rng.standard_normal((4, 5)), rng.standard_normal((5, 3))
     want = np.cos(x) @ w + x.sum() / 3
     mlir = _f64_program()
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     (got,) = iree_backend.load(iree_backend.compile_mlir(mlir, "f64"))(x, w)
+    assert not list(tmp_path.iterdir())  # IREE's iree_dylib_* folder not left behind
     assert got.dtype == np.float64
     assert np.abs(got - want).max() <= 1e-14 * np.abs(want).max()
     demoted = iree_backend.load(iree_backend.compile_mlir(mlir, "f32"))

@@ -9,6 +9,7 @@ no collectives (docs/renders.md states the errors).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 
@@ -85,10 +86,20 @@ def load(vmfb: bytes) -> Callable[..., list[np.ndarray]]:
     """The compiled step as a function of host arrays (the manifest's inputs, in order) to host
     arrays (its outputs, in order), on IREE's CPU driver."""
     rt = _runtime()
+    # Loading a system-library module (f64) leaves an empty $TMPDIR/iree_dylib_XXXXXX behind:
+    # point IREE at a folder of ours for the load, then remove it (the library is loaded).
+    scratch, before = tempfile.mkdtemp(prefix="twinstep-iree-"), os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = scratch
     try:
         module = rt.load_vm_flatbuffer(vmfb, driver=DRIVER)
     except (RuntimeError, ValueError) as e:
         raise BackendError(f"IREE's runtime cannot load the module: {e}") from None
+    finally:
+        if before is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = before
+        shutil.rmtree(scratch, ignore_errors=True)
     main = module.main
 
     def call(*args: np.ndarray) -> list[np.ndarray]:
