@@ -168,7 +168,8 @@ def tie_artifact(path: str, steps: int | None = None, seed: int = 0, shift: bool
     from twinstep import program, renders, ties
 
     _one_process("a tie of an artifact")
-    if path.endswith(".vmfb"):
+    on_iree = path.endswith(renders.IREE_SUFFIX)
+    if on_iree:
         vmfb, exported, m = renders.load_iree(path)
     else:
         art = load_artifact(path)
@@ -176,14 +177,14 @@ def tie_artifact(path: str, steps: int | None = None, seed: int = 0, shift: bool
     if m["precision"] != "f64":
         raise UsageError(f"{path} is a {m['precision']} render; the tie is exact in f64: render "
                          f"it again with --precision f64 (the same program in f64)")
-    if not path.endswith(".vmfb") and m["platform"] != renders.local_platform():
+    if not on_iree and m["platform"] != renders.local_platform():
         raise UsageError(f"{path} was rendered for {m['platform']}; this process runs "
                          f"{renders.local_platform()}")
     cfg = ties.TieConfig(m["net"], m["replicas"], m["batch"], m["res"], m["classes"],
                          parse_recipe(m["name"]).loss, "f64", seed, shift, "none", fast_compile,
                          m["name"])
     with _x64("f64"):
-        replica = (program.iree_program(vmfb, exported, m) if path.endswith(".vmfb")
+        replica = (program.iree_program(vmfb, exported, m) if on_iree
                    else art.step(fast_compile, donate=True))
         report = ties.run_steps_tie(cfg, steps=ties.STEPS if steps is None else steps,
                                     progress=progress, replica=replica)

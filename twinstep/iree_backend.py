@@ -18,8 +18,8 @@ import numpy as np
 from twinstep.errors import BackendError
 
 INSTALL = "pip install 'twinstep[iree]'"
-# IREE's CPU code for this machine's instruction set (a .vmfb is as portable as -march=native)
 INPUT_TYPE = "stablehlo"
+# IREE's CPU code for this machine's instruction set (a .vmfb is as portable as -march=native)
 FLAGS = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
          "--iree-llvmcpu-target-cpu=host")
 # IREE demotes f64 to f32 by default. Its embedded ELF links no libm for f64 (the cosine
@@ -60,7 +60,11 @@ def version() -> str:
 def flags(precision: str) -> list[str]:
     """iree-compile's flags for a render of ``precision`` (f32, bf16, f64), as a command line
     would give them."""
-    return [f"--iree-input-type={INPUT_TYPE}", *FLAGS, *(F64_FLAGS if precision == "f64" else ())]
+    return [f"--iree-input-type={INPUT_TYPE}", *_target_flags(precision)]
+
+
+def _target_flags(precision: str) -> list[str]:
+    return [*FLAGS, *(F64_FLAGS if precision == "f64" else ())]
 
 
 def compile_mlir(mlir: str, precision: str) -> bytes:
@@ -73,7 +77,7 @@ def compile_mlir(mlir: str, precision: str) -> bytes:
             f.write(mlir)
         try:
             tools.compile_file(src, output_file=out, input_type=INPUT_TYPE,
-                               extra_args=flags(precision)[1:])  # the input type given apart
+                               extra_args=_target_flags(precision))
         except tools.CompilerToolError as e:
             lines = [ln.strip() for ln in str(e).splitlines() if "error" in ln]
             raise BackendError("iree-compile failed: " + (lines[0] if lines else
