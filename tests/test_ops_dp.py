@@ -14,7 +14,7 @@ N = 2  # per replica
 def op_cases(rng, count):
     n = count * N
     return [oracle.conv_case(rng, n, 5, 3, 4, 3, 2), oracle.conv_case(rng, n, 6, 3, 4, 1, 2),
-            oracle.conv_case(rng, n, 5, 3, 4, 7, 2),
+            oracle.conv_case(rng, n, 5, 3, 4, 7, 2, False, "conv"),
             oracle.conv_case(rng, n, 5, 3, 3, 5, 2, True, "shift"),
             oracle.conv_case(rng, n, 5, 3, 3, 3, 1, True, "grouped"),
             oracle.bn_train_case(rng, n, 3, 4), oracle.relu_case(rng, n, 4, 3),

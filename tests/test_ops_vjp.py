@@ -26,9 +26,10 @@ def certify(case, seed):
         assert check.ok, check
 
 
-@given(n=batch, h=spatial, ci=channels, co=channels, k=kernel, s=stride, seed=seed)
-def test_conv2d(n, h, ci, co, k, s, seed):
-    certify(oracle.conv_case(np.random.default_rng(seed), n, h, ci, co, k, s), seed)
+@given(n=batch, h=spatial, ci=channels, co=channels, k=kernel, s=stride, seed=seed,
+       path=st.sampled_from(["conv", "matmul"]))
+def test_conv2d(n, h, ci, co, k, s, seed, path):
+    certify(oracle.conv_case(np.random.default_rng(seed), n, h, ci, co, k, s, False, path), seed)
 
 
 @given(n=batch, h=spatial, c=channels, k=kernel, s=stride, seed=seed,

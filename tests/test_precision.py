@@ -1,6 +1,7 @@
 """The bf16 policy (docs/precision.md), read off the StableHLO: every convolution — forward,
-input-VJP, weight-VJP, dense and grouped depthwise — has bf16 operands AND a bf16-typed result; f32
-and f64 policies have no bf16 at all. (XLA:CPU upcasts bf16 convolutions when it compiles, so the
+input-VJP, weight-VJP, dense and grouped depthwise — has bf16 operands AND a bf16-typed result; the
+matmul dense path multiplies bf16 operands and rounds its results to bf16; f32 and f64 policies
+have no bf16 at all. (XLA:CPU upcasts bf16 convolutions when it compiles, so the
 compiled CPU HLO cannot show the policy; the StableHLO is where it is checked here.)"""
 
 import re
@@ -14,19 +15,21 @@ from twinstep.ops import conv
 from twinstep.ops.precision import BF16, F32, F64, get_precision
 
 CONV_OP = re.compile(r"stablehlo\.convolution.*?:\s*\((.*?)\)\s*->\s*(\S+)")
+DOT_OP = re.compile(r"stablehlo\.dot_general.*?:\s*\((.*?)\)\s*->\s*(\S+)")
 
 
-def conv_signatures(fn, *args):
-    """[(operand types, result type)] of every convolution in fn's StableHLO."""
+def signatures(fn, *args, op=CONV_OP):
+    """[(operand types, result type)] of every convolution (or ``op``) in fn's StableHLO."""
     text = jax.jit(fn).lower(*args).as_text()
-    return [(ops, res) for ops, res in CONV_OP.findall(text)]
+    return [(ops, res) for ops, res in op.findall(text)]
 
 
-def conv_and_vjps(x, w, stride, precision, depthwise, path="grouped"):
+def conv_and_vjps(x, w, stride, precision, depthwise, path=None):
+    """(y, dx, dw); path: the depthwise or dense path (default: grouped / conv)."""
     if depthwise:
-        y, res = conv.depthwise_forward(x, w, stride, precision, path)
+        y, res = conv.depthwise_forward(x, w, stride, precision, path or "grouped")
         return (y, *conv.depthwise_vjp(res, jnp.ones_like(y)))
-    y, res = conv.conv2d_forward(x, w, stride, precision)
+    y, res = conv.conv2d_forward(x, w, stride, precision, path or "conv")
     return (y, *conv.conv2d_vjp(res, jnp.ones_like(y)))
 
 
@@ -35,7 +38,7 @@ def conv_and_vjps(x, w, stride, precision, depthwise, path="grouped"):
 def test_bf16_convolutions_are_bf16_typed(depthwise, stride):
     x = jnp.ones((2, 8, 8, 4), jnp.float32)
     w = jnp.ones((4, 1 if depthwise else 4, 3, 3), jnp.float32)
-    sigs = conv_signatures(lambda x, w: conv_and_vjps(x, w, stride, BF16, depthwise), x, w)
+    sigs = signatures(lambda x, w: conv_and_vjps(x, w, stride, BF16, depthwise), x, w)
     assert len(sigs) == 3  # forward, input-VJP, weight-VJP
     for operands, result in sigs:
         assert operands.count("bf16") == 2, operands
@@ -44,21 +47,35 @@ def test_bf16_convolutions_are_bf16_typed(depthwise, stride):
     assert all(o.dtype == jnp.float32 for o in outs)  # converted back to f32
 
 
+def test_bf16_matmul_path_multiplies_bf16_operands():
+    """The matmul path's three products (forward, input-VJP, weight-VJP) take bf16 operands; its
+    results are rounded to bf16 at the end (test_bf16_results_are_rounded_and_close)."""
+    x = jnp.ones((2, 8, 8, 4), jnp.float32)
+    w = jnp.ones((4, 4, 3, 3), jnp.float32)
+    sigs = signatures(lambda x, w: conv_and_vjps(x, w, 2, BF16, False, "matmul"), x, w,
+                      op=DOT_OP)
+    assert len(sigs) == 3
+    assert all(operands.count("bf16") == 2 for operands, _ in sigs), sigs
+
+
 @pytest.mark.parametrize("precision", [F32, F64])
-def test_f32_f64_have_no_bf16(precision):
+@pytest.mark.parametrize("path", conv.DENSE_PATHS)
+def test_f32_f64_have_no_bf16(precision, path):
     x = jnp.ones((2, 8, 8, 4), precision.dtype)
     w = jnp.ones((4, 4, 3, 3), precision.dtype)
-    text = jax.jit(lambda x, w: conv_and_vjps(x, w, 2, precision, False)).lower(x, w).as_text()
+    text = jax.jit(lambda x, w: conv_and_vjps(x, w, 2, precision, False, path)
+                   ).lower(x, w).as_text()
     assert "bf16" not in text
 
 
-@pytest.mark.parametrize("depthwise,path", [(False, None), (True, "grouped"), (True, "shift")])
+@pytest.mark.parametrize("depthwise,path", [(False, "conv"), (False, "matmul"),
+                                            (True, "grouped"), (True, "shift")])
 def test_bf16_results_are_rounded_and_close(depthwise, path, rng):
     """bf16 results are exactly bf16-representable and within bf16 resolution of f32."""
     x = jnp.asarray(rng.standard_normal((2, 7, 7, 4)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((4, 1 if depthwise else 4, 3, 3)), jnp.float32)
-    lo = conv_and_vjps(x, w, 2, BF16, depthwise, path or "grouped")
-    hi = conv_and_vjps(x, w, 2, F32, depthwise, path or "grouped")
+    lo = conv_and_vjps(x, w, 2, BF16, depthwise, path)
+    hi = conv_and_vjps(x, w, 2, F32, depthwise, path)
     for a, b in zip(lo, hi, strict=True):
         np.testing.assert_array_equal(a, a.astype(jnp.bfloat16).astype(jnp.float32))
         err = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))

@@ -23,21 +23,22 @@ def nhwc(t):
 
 
 @pytest.mark.parametrize("k,s", [(1, 1), (1, 2), (3, 1), (3, 2), (5, 2), (7, 2)])
-@pytest.mark.parametrize("kind", ["dense", "shift", "grouped"])
+@pytest.mark.parametrize("kind", [*conv.DENSE_PATHS, *conv.DEPTHWISE_PATHS])
 def test_conv_matches_torch(k, s, kind, rng):
     c = 4
+    dense = kind in conv.DENSE_PATHS
     x = rng.standard_normal((2, 9, 9, c))
-    w = rng.standard_normal((c, 1 if kind != "dense" else c, k, k))
+    w = rng.standard_normal((c, c if dense else 1, k, k))
     dy = rng.standard_normal((2, conv.conv_out_size(9, k, s), conv.conv_out_size(9, k, s), c))
-    if kind == "dense":
-        y, res = conv.conv2d_forward(jnp.asarray(x), jnp.asarray(w), s, oracle.F64)
+    if dense:
+        y, res = conv.conv2d_forward(jnp.asarray(x), jnp.asarray(w), s, oracle.F64, kind)
         dx, dw = conv.conv2d_vjp(res, jnp.asarray(dy))
     else:
         y, res = conv.depthwise_forward(jnp.asarray(x), jnp.asarray(w), s, oracle.F64, kind)
         dx, dw = conv.depthwise_vjp(res, jnp.asarray(dy))
     tx, tw = nchw(x), torch.tensor(w, requires_grad=True)
     ty = F.conv2d(tx, tw, stride=s, padding=conv.conv_padding(k),
-                  groups=1 if kind == "dense" else c)
+                  groups=1 if dense else c)
     ty.backward(torch.tensor(dy.transpose(0, 3, 1, 2)))
     assert oracle.rel_err(y, nhwc(ty)) < TOL
     assert oracle.rel_err(dx, nhwc(tx.grad)) < TOL

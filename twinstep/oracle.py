@@ -94,15 +94,16 @@ def conv_case(rng, n, h, c_in, c_out, k, stride, depthwise=False, path=None) -> 
         name = f"depthwise[{path}] k{k} s{stride}"
     else:
         w = _normal(rng, (c_out, c_in, k, k)) / np.sqrt(c_in * k * k)
+        path = path or conv.default_dense_path()
 
         def fwd(rep, b, m, p):
-            return conv.conv2d_forward(b[0], p[0], stride, F64)
+            return conv.conv2d_forward(b[0], p[0], stride, F64, path)
 
         def vjp(res, dy):
             dx, dw = conv.conv2d_vjp(res, dy)
             return (dx,), (dw,)
 
-        name = f"conv2d k{k} s{stride}"
+        name = f"conv2d[{path}] k{k} s{stride}"
     return Case(name, fwd, vjp, (x,), (), (w,))
 
 
@@ -218,9 +219,10 @@ def loss_case_fn(kind: str):
 
 def all_cases(rng, n=2, h=5, c=3):
     """Every op at one small shape (the certification summary)."""
-    cases = [conv_case(rng, n, h, c, 4, k, s) for k in (1, 3, 5, 7) for s in (1, 2)]
+    cases = [conv_case(rng, n, h, c, 4, k, s, False, path)
+             for path in conv.DENSE_PATHS for k in (1, 3, 5, 7) for s in (1, 2)]
     cases += [conv_case(rng, n, h, c, c, k, s, True, path)
-              for path in ("shift", "grouped") for k in (3, 5) for s in (1, 2)]
+              for path in conv.DEPTHWISE_PATHS for k in (3, 5) for s in (1, 2)]
     cases += [bn_train_case(rng, n, h, c), bn_eval_case(rng, n, h, c), relu_case(rng, n, h, c),
               maxpool_case(rng, n, h, c), gap_case(rng, n, h, c), dense_case(rng, n, 6, 4),
               add_case(rng, n, h, c), mask_case(rng, n, h, c, True),

@@ -34,10 +34,12 @@ from twinstep.ops.precision import Precision, get_precision
 
 
 def context(replicas: int, precision: str | Precision, control: str = "none",
-            depthwise_path: str | None = None) -> layers.Ctx:
-    """What a step's ops run in: the single device at R = 1, else R replicas on `dp.AXIS`."""
+            depthwise_path: str | None = None, dense_path: str | None = None) -> layers.Ctx:
+    """What a step's ops run in: the single device at R = 1, else R replicas on `dp.AXIS`;
+    the conv paths as in `layers.Ctx`."""
     rep = SINGLE if replicas == 1 and control == "none" else dp.replicas(replicas, control)
-    return layers.Ctx(rep, get_precision(precision), depthwise_path=depthwise_path)
+    return layers.Ctx(rep, get_precision(precision), depthwise_path=depthwise_path,
+                      dense_path=dense_path)
 
 
 def _stacked(tree):
@@ -47,12 +49,12 @@ def _stacked(tree):
 def grad_program(net: Net, replicas: int = 1, loss: str = "ce",
                  precision: str | Precision = "f32", control: str = "none",
                  collective: bool = True, per_replica: bool = False, fast_compile: bool = False,
-                 depthwise_path: str | None = None):
+                 depthwise_path: str | None = None, dense_path: str | None = None):
     """The gradient step (params, buffers, x, t) -> step.StepOut on R replicas (x, t sharded by
     rows, everything else replicated). ``per_replica``: what each replica holds for itself —
     BN statistics, running buffers, and without the ``collective`` its own gradients — comes
     back stacked along a leading replica axis [R, ...], to check that the replicas agree."""
-    ctx = context(replicas, precision, control, depthwise_path)
+    ctx = context(replicas, precision, control, depthwise_path, dense_path)
 
     def fn(p, b, x, t):
         out = step.grad_step(net, p, b, x, t, ctx, loss, collective=collective)
@@ -69,9 +71,10 @@ def grad_program(net: Net, replicas: int = 1, loss: str = "ce",
 
 
 def eval_program(net: Net, precision: str | Precision = "f32", fast_compile: bool = False,
-                 depthwise_path: str | None = None):
+                 depthwise_path: str | None = None, dense_path: str | None = None):
     """Eval-mode logits (params, buffers, x [N, S, S, 3]) -> [N, K] on one device."""
-    ctx = layers.Ctx(SINGLE, get_precision(precision), train=False, depthwise_path=depthwise_path)
+    ctx = layers.Ctx(SINGLE, get_precision(precision), train=False,
+                     depthwise_path=depthwise_path, dense_path=dense_path)
     return dp.jit(lambda p, b, x: net.forward(p, b, x, ctx)[0], fast_compile)
 
 
@@ -93,7 +96,8 @@ def abstract_params(net: Net, classes: int, dtype) -> tuple[dict, dict]:
 def train_program(net: Net, recipe, classes: int, replicas: int = 1,
                   precision: str | Precision = "f32", control: str = "none", mesh=None,
                   flat: bool = False, donate: bool = False, fast_compile: bool = False,
-                  depthwise_path: str | None = None) -> TrainProgram:
+                  depthwise_path: str | None = None,
+                  dense_path: str | None = None) -> TrainProgram:
     """The recipe's whole train step on R replicas.
 
     step(state, xs, ts, key) -> (state, {"loss", "lr"}); xs, ts sharded along their R N rows,
@@ -110,7 +114,7 @@ def train_program(net: Net, recipe, classes: int, replicas: int = 1,
         return step.init_state(recipe, p, b, opt)
 
     state = jax.eval_shape(init, params, buffers)
-    ctx = context(replicas, prec, control, depthwise_path)
+    ctx = context(replicas, prec, control, depthwise_path, dense_path)
 
     def train(st, xs, ts, key, row_order=None):
         return step.train_step(net, recipe, opt, st, xs, ts, key, ctx, row_order)

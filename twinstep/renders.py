@@ -23,6 +23,11 @@ State leaves (`step.state_names`: "step", "params/<timm name>", "buffers/<timm n
 R N axis, replica r holding rows r N ... (r + 1) N - 1 of each micro-batch. ts are soft targets
 (BCE recipes transform them inside the step); key is ``jax.random.key_data`` of a threefry key.
 At R = 1 the program is the single-device step at batch N: no mesh, no collective.
+
+Dense convolutions are rendered as XLA convolutions on every platform (the ``conv`` path of
+`twinstep.ops.conv`), the form every XLA backend and IREE lower and the manifest counts; the
+Python step on XLA:CPU multiplies matrices instead (``matmul``), so a CPU render runs slower than
+`twinstep train` does without ``--artifact``. Depthwise convolutions take the platform's path.
 """
 
 from __future__ import annotations
@@ -198,7 +203,8 @@ def export_step(cfg: RenderConfig, single: bool = False) -> Export:
                               jax_traceback_in_locations_limit=0):
         made = program.train_program(net, recipe, cfg.classes, replicas, prec,
                                      "none" if single else cfg.control,
-                                     mesh=mesh, flat=True, depthwise_path=depthwise)
+                                     mesh=mesh, flat=True, depthwise_path=depthwise,
+                                     dense_path="conv")
         leaves = jax.tree.leaves(made.state)
         rows = cfg.replicas * recipe.batch
         avals = [*leaves, jax.ShapeDtypeStruct((recipe.accum, rows, cfg.res, cfg.res, 3),

@@ -23,12 +23,14 @@ from twinstep.ops.precision import F32, Precision
 @dataclasses.dataclass(frozen=True)
 class Ctx:
     """What a forward runs in: replicas (BN sync), precision policy, train (batch statistics)
-    or eval (running statistics), and the depthwise path (None: the platform default)."""
+    or eval (running statistics), and the dense and depthwise conv paths (None: the platform's
+    defaults, `twinstep.ops.conv`)."""
 
     replicas: Replicas = SINGLE
     precision: Precision = F32
     train: bool = True
     depthwise_path: str | None = None
+    dense_path: str | None = None
 
 
 class ConvBN(NamedTuple):
@@ -54,7 +56,7 @@ def conv_bn_forward(params, buffers, names: ConvBN, x, stride: int, ctx: Ctx, re
     if depthwise:
         y, conv_res = conv.depthwise_forward(x, w, stride, ctx.precision, ctx.depthwise_path)
     else:
-        y, conv_res = conv.conv2d_forward(x, w, stride, ctx.precision)
+        y, conv_res = conv.conv2d_forward(x, w, stride, ctx.precision, ctx.dense_path)
     gamma, beta = params[names.bn + ".weight"], params[names.bn + ".bias"]
     if ctx.train:
         y, bn_res, bn_stats = batchnorm.bn_train_forward(y, gamma, beta, ctx.replicas)

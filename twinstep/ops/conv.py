@@ -8,10 +8,17 @@ the last ``r = H + 2p - k - (Ho - 1) s`` padded rows are read by no window; both
 them (their input gradient is zero), and the forward crops them from its high padding: the same
 output, bitwise, on XLA, and the only form IREE's llvm-cpu backend compiles (bench/iree_conv.py).
 
-Depthwise has two paths with identical results: ``grouped`` (one XLA convolution with
-``feature_group_count = C``) and ``shift`` (k^2 strided slices, multiply-adds). XLA:CPU runs the
-grouped form pathologically slowly, so `default_depthwise_path` picks ``shift`` on CPU and
-``grouped`` elsewhere; bench/ measures both.
+Each kind has two paths, equal up to summation order, and a platform default (bench/ measures
+both): on XLA:CPU the form that runs fast there, elsewhere one XLA convolution.
+- dense: ``conv`` (one XLA convolution per forward / input-VJP / weight-VJP) and ``matmul`` (the
+  k^2 strided windows of the padded input side by side, [rows, k k Ci], times the kernel as a
+  [Co, k k Ci] matrix; the input VJP scatters the windows' cotangents back). XLA:CPU runs its
+  convolutions, the backward ones above all, several times slower than the same products as
+  matrix multiplications.
+- depthwise: ``grouped`` (one XLA convolution with ``feature_group_count = C``) and ``shift``
+  (k^2 strided slices, multiply-adds); XLA:CPU runs the grouped form pathologically slowly.
+The ``matmul`` and ``shift`` paths multiply-add conv-dtype operands in the base dtype and round
+their results to the conv dtype once, at the end.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ class ConvRes:
     w: jax.Array  # [Co, Ci, k, k] or [C, 1, k, k]
     stride: int
     precision: Precision
-    path: str = "dense"
+    path: str = "conv"  # dense: "conv" | "matmul"; depthwise: "grouped" | "shift"
 
 
 def _conv(lhs, rhs, precision, dims, result_dtype=None, **kw):
@@ -70,14 +77,77 @@ def _conv(lhs, rhs, precision, dims, result_dtype=None, **kw):
 # ---------------------------------------------------------------------------------- dense conv
 
 
-def conv2d_forward(x, w, stride: int = 1, precision: Precision = F32):
+DENSE_PATHS = ("conv", "matmul")
+DEPTHWISE_PATHS = ("shift", "grouped")
+
+
+def _on_cpu(platform: str | None) -> bool:
+    return (platform or jax.default_backend()) == "cpu"
+
+
+def default_dense_path(platform: str | None = None) -> str:
+    """``matmul`` on XLA:CPU, else ``conv``; ``platform``: the backend the program is for
+    (default: this process's)."""
+    return "matmul" if _on_cpu(platform) else "conv"
+
+
+def conv2d_forward(x, w, stride: int = 1, precision: Precision = F32, path: str | None = None):
     """y [N, Ho, Wo, Co] = conv(x [N, H, W, Ci], w [Co, Ci, k, k]); returns (y, ConvRes)."""
-    return _grouped_forward(x, w, stride, precision, groups=1)
+    path = path or default_dense_path()
+    if path == "conv":
+        return _grouped_forward(x, w, stride, precision, groups=1)
+    if path != "matmul":
+        raise ValueError(f"unknown dense conv path {path!r}; choose 'conv' or 'matmul'")
+    xc, wc = round_to(x, precision.conv_dtype), round_to(w, precision.conv_dtype)
+    cols = _windows(xc, w.shape[2], stride)
+    co = w.shape[0]
+    y = _dot(cols.reshape(-1, cols.shape[-1]), _kernel_matrix(wc), ((1,), (1,)), precision)
+    return _round(y.reshape(*cols.shape[:3], co), precision), ConvRes(xc, wc, stride, precision,
+                                                                         "matmul")
 
 
 def conv2d_vjp(res: ConvRes, dy):
     """(dx [N, H, W, Ci], dw [Co, Ci, k, k]) for the cotangent dy [N, Ho, Wo, Co]."""
-    return _grouped_input_vjp(res, dy, groups=1), _grouped_weight_vjp(res, dy, groups=1)
+    if res.path == "conv":
+        return _grouped_input_vjp(res, dy, groups=1), _grouped_weight_vjp(res, dy, groups=1)
+    x, w, s, precision = res.x, res.w, res.stride, res.precision
+    co, ci, k, _ = w.shape
+    p = conv_padding(k)
+    n, h, wd, _ = x.shape
+    ho, wo = dy.shape[1:3]
+    dyc = round_to(dy, precision.conv_dtype).reshape(-1, co)
+    # dx: each window's cotangent [rows, k k Ci] scattered back onto the positions it read
+    dcols = _dot(dyc, _kernel_matrix(w), ((1,), (0,)), precision).reshape(n, ho, wo, k * k, ci)
+    dxp = sum(scatter_window(dcols[..., a * k + b, :], a, b, h + 2 * p, wd + 2 * p, s)
+              for a in range(k) for b in range(k))
+    dx = dxp[:, p:p + h, p:p + wd, :]
+    cols = _windows(x, k, s)
+    dw = _dot(dyc, cols.reshape(-1, k * k * ci), ((0,), (0,)), precision)
+    dw = jnp.transpose(dw.reshape(co, k, k, ci), (0, 3, 1, 2))
+    return _round(dx, precision), (_round(dw, precision) if precision.round_weight_grads else dw)
+
+
+def _windows(x, k: int, stride: int):
+    """[N, Ho, Wo, k k Ci]: the k x k windows of the padded x [N, H, W, Ci], tap (a, b) major."""
+    xp = pad_hw(x, conv_padding(k))
+    ho, wo = conv_out_size(x.shape[1], k, stride), conv_out_size(x.shape[2], k, stride)
+    taps = [window(xp, a, b, ho, wo, stride) for a in range(k) for b in range(k)]
+    return taps[0] if k == 1 else jnp.concatenate(taps, axis=-1)
+
+
+def _kernel_matrix(w):
+    """w [Co, Ci, k, k] as [Co, k k Ci], in the order of `_windows`."""
+    co, ci, k, _ = w.shape
+    return (w.reshape(co, ci) if k == 1 else jnp.transpose(w, (0, 2, 3, 1))).reshape(co, -1)
+
+
+def _dot(lhs, rhs, contract, precision: Precision):
+    """A matrix product of conv-dtype operands accumulated in the base dtype (float64 under the
+    tie's bf16, as `Precision.conv_accumulator` does for the convolutions)."""
+    acc = precision.conv_accumulator or precision.dtype
+    if precision.conv_accumulator is not None:
+        lhs, rhs = lhs.astype(acc), rhs.astype(acc)
+    return lax.dot_general(lhs, rhs, (contract, ((), ())), preferred_element_type=acc)
 
 
 # Dense convolutions are emitted in the one form XLA:CPU hands to its fast (Eigen) kernel:
@@ -98,7 +168,7 @@ def _grouped_forward(x, w, stride, precision, groups):
     pads = [(p, p - _unread(x.shape[d], w.shape[2], stride)) for d in (1, 2)]
     y = _conv(xc, rhs, precision, dims, window_strides=(stride, stride), padding=pads,
               feature_group_count=groups)
-    path = "dense" if groups == 1 else "grouped"
+    path = "conv" if groups == 1 else "grouped"
     return y, ConvRes(xc, wc, stride, precision, path)
 
 
@@ -141,9 +211,8 @@ def _grouped_weight_vjp(res: ConvRes, dy, groups):
 
 
 def default_depthwise_path(platform: str | None = None) -> str:
-    """``shift`` on XLA:CPU (grouped convolutions are pathologically slow there), else
-    ``grouped``; ``platform``: the backend the program is for (default: this process's)."""
-    return "shift" if (platform or jax.default_backend()) == "cpu" else "grouped"
+    """``shift`` on XLA:CPU, else ``grouped``; ``platform`` as in `default_dense_path`."""
+    return "shift" if _on_cpu(platform) else "grouped"
 
 
 def depthwise_forward(x, w, stride: int = 1, precision: Precision = F32, path: str | None = None):
