@@ -71,8 +71,8 @@ def main():
                           jnp.float32) for n, _, _ in convs]
         strides = [s for _, s, _ in convs]
         fns = {p: products(p, precision, strides) for p in conv.DENSE_PATHS}
-        med = interleaved_medians({p: (lambda f=f: block(f(xs, ws))) for p, f in fns.items()},
-                                  runs=args.runs)
+        med = interleaved_medians({p: (lambda f=f, xs=xs, ws=ws: block(f(xs, ws)))
+                                   for p, f in fns.items()}, runs=args.runs)
         rows += "".join(f"| {res}² | {p} | {t * 1e3:.0f} | {t / med['conv']:.2f} |\n"
                         for p, t in med.items())
     table = ("| input | path | median ms (fwd + input-VJP + weight-VJP, 53 convolutions) "

@@ -1,6 +1,7 @@
 """XLA:CPU levers on twinstep's whole DP train step, each a variant compiled in the same process
 and timed interleaved with the default: the oneDNN and XNNPACK paths of the installed jaxlib
-(per-compile options, so one run compares them), and state donation; and sync-BN's overhead,
+(per-compile options, so one run compares them), state donation, dense convolutions as XLA
+convolutions (the ``conv`` path) instead of the CPU default; and sync-BN's overhead,
 the gradient step with BN synchronised vs per-replica statistics (the `unsynced` control).
 
     python bench/levers.py [--nets resnet50 mnv4] [--res 64] [--replicas 2] [--global-batch 8]
@@ -22,11 +23,12 @@ from common import append_results, block, interleaved_medians  # noqa: E402
 from twinstep import dp, program, recipes  # noqa: E402
 from twinstep.nets import get_net, layers  # noqa: E402
 
-VARIANTS = {  # name: (XLA compiler options, donate the state)
-    "default (donated)": ({}, True),
-    "not donated": ({}, False),
-    "xla_cpu_use_onednn": ({"xla_cpu_use_onednn": True}, True),
-    "xla_cpu_use_xnnpack": ({"xla_cpu_use_xnnpack": True}, True),
+VARIANTS = {  # name: (XLA compiler options, donate the state, dense conv path)
+    "default (donated)": ({}, True, None),
+    "not donated": ({}, False, None),
+    "xla_cpu_use_onednn": ({"xla_cpu_use_onednn": True}, True, None),
+    "xla_cpu_use_xnnpack": ({"xla_cpu_use_xnnpack": True}, True, None),
+    "dense path conv": ({}, True, "conv"),
 }
 
 
@@ -40,8 +42,9 @@ def variants(name: str, res: int, replicas: int, global_batch: int, classes: int
     ts = jax.nn.one_hot(jnp.asarray(rng.integers(0, classes, (1, global_batch))), classes)
     key = jax.random.key(1)
     fns = {}
-    for label, (options, donate) in VARIANTS.items():
-        made = program.train_program(net, recipe, classes, replicas, "f32", donate=donate)
+    for label, (options, donate, dense_path) in VARIANTS.items():
+        made = program.train_program(net, recipe, classes, replicas, "f32", donate=donate,
+                                     dense_path=dense_path)
         # a copy for each variant: a donated state frees its arrays, the originals included
         state = dp.replicate(made.init(*jax.tree.map(jnp.copy, (
             params, layers.init_buffers(shapes)))), replicas)
