@@ -18,6 +18,23 @@ def block(tree):
     return jax.block_until_ready(tree)
 
 
+def op_chain(forward, vjp, strides):
+    """A jitted (xs, ws) -> the sum of every layer's y, dx and dw: each layer's forward
+    ``forward(x, w, stride) -> (y, res)`` and its ``vjp(res, dy) -> (dx, dw)``, timed whole."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(xs, ws):
+        total = 0.0
+        for x, w, s in zip(xs, ws, strides, strict=True):
+            y, res = forward(x, w, s)
+            dx, dw = vjp(res, jnp.ones_like(y))
+            total = total + y.sum() + dx.sum() + dw.sum()
+        return total
+
+    return jax.jit(f)
+
+
 def interleaved_medians(fns: dict, runs: int = 7, warmup: int = 1) -> dict:
     """Median wall seconds of each callable, run round-robin so machine noise hits all alike."""
     for fn in fns.values():

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import append_results, block, interleaved_medians  # noqa: E402
+from common import append_results, block, interleaved_medians, op_chain  # noqa: E402
 
 from twinstep.nets import get_net  # noqa: E402
 from twinstep.ops import conv  # noqa: E402
@@ -40,18 +40,6 @@ def resnet50_convs(res: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def products(path, precision, strides):
-    def f(xs, ws):
-        total = 0.0
-        for x, w, s in zip(xs, ws, strides, strict=True):
-            y, res = conv.conv2d_forward(x, w, s, precision, path)
-            dx, dw = conv.conv2d_vjp(res, jnp.ones_like(y))
-            total = total + y.sum() + dx.sum() + dw.sum()
-        return total
-
-    return jax.jit(f)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--res", type=int, nargs="+", default=[64, 128])
@@ -70,7 +58,8 @@ def main():
         ws = [jnp.asarray(rng.standard_normal(shapes[n]) / np.sqrt(np.prod(shapes[n][1:])),
                           jnp.float32) for n, _, _ in convs]
         strides = [s for _, s, _ in convs]
-        fns = {p: products(p, precision, strides) for p in conv.DENSE_PATHS}
+        fns = {p: op_chain(lambda x, w, s, p=p: conv.conv2d_forward(x, w, s, precision, p),
+                           conv.conv2d_vjp, strides) for p in conv.DENSE_PATHS}
         med = interleaved_medians({p: (lambda f=f, xs=xs, ws=ws: block(f(xs, ws)))
                                    for p, f in fns.items()}, runs=args.runs)
         rows += "".join(f"| {res}² | {p} | {t * 1e3:.0f} | {t / med['conv']:.2f} |\n"

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import append_results, block, interleaved_medians  # noqa: E402
+from common import append_results, block, interleaved_medians, op_chain  # noqa: E402
 
 from twinstep.ops import conv  # noqa: E402
 from twinstep.ops.precision import get_precision  # noqa: E402
@@ -24,18 +24,6 @@ from twinstep.ops.precision import get_precision  # noqa: E402
 # few representative rows, the grid given as input resolution // divisor.
 LAYERS = [(48, 3, 1, 4), (192, 5, 2, 4), (80, 3, 1, 8), (480, 5, 2, 8), (160, 3, 1, 16),
           (640, 3, 1, 16), (160, 5, 1, 16), (960, 5, 2, 16), (256, 5, 1, 32), (1024, 5, 1, 32)]
-
-
-def step_fn(path, precision, shapes):
-    def f(xs, ws):
-        total = 0.0
-        for x, w, (_, _, s, _) in zip(xs, ws, LAYERS, strict=True):
-            y, res = conv.depthwise_forward(x, w, s, precision, path)
-            dx, dw = conv.depthwise_vjp(res, jnp.ones_like(y))
-            total = total + y.sum() + dx.sum() + dw.sum()
-        return total
-
-    return jax.jit(f)
 
 
 def main():
@@ -51,7 +39,9 @@ def main():
                                            max(args.res // d, 1), c)), jnp.float32)
           for c, _, _, d in LAYERS]
     ws = [jnp.asarray(rng.standard_normal((c, 1, k, k)), jnp.float32) for c, k, _, _ in LAYERS]
-    fns = {p: step_fn(p, precision, None) for p in ("shift", "grouped")}
+    strides = [s for _, _, s, _ in LAYERS]
+    fns = {p: op_chain(lambda x, w, s, p=p: conv.depthwise_forward(x, w, s, precision, p),
+                       conv.depthwise_vjp, strides) for p in conv.DEPTHWISE_PATHS}
     compiled = {p: (lambda f=f: block(f(xs, ws))) for p, f in fns.items()}
     med = interleaved_medians(compiled, runs=args.runs)
     table = ("| path | median s (fwd + input-VJP + weight-VJP, 10 layers) | vs shift |\n"
