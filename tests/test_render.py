@@ -97,21 +97,24 @@ def test_collectives_match_the_design_and_stay_f32(name):
     net, k = r.recipe.net, r.recipe.accum
     c = r.manifest["collectives"]
     bns, buckets = BNS[net], BUCKETS[net]
-    assert c["spec_reference"] == 3 * bns + buckets  # 163 / 233
-    want = {"bn_forward_mean": bns, "bn_forward_var": bns, "bn_backward": bns, "grad": buckets,
-            "loss": 1}
+    assert c["spec_reference"] == 2 * bns + buckets  # 110 / 156
+    want = {"bn_forward": bns, "bn_backward": bns, "grad": buckets, "loss": 1}
     assert {s: v["count"] for s, v in c["by_site"].items()} == want
-    # the manifest's count is the text's: every all-reduce, found by its quoted generic form
-    assert c["in_text"] == r.mlir.count('"stablehlo.all_reduce"') == c["spec_reference"] + 1
-    assert c["by_kind"]["all_reduce"]["count"] == c["in_text"]
+    # the manifest's count is the text's: every collective, found by its quoted generic form —
+    # the forward moments gathered, everything else all-reduced
+    gathers, reduces = (r.mlir.count(f'"stablehlo.{k}"') for k in ("all_gather", "all_reduce"))
+    assert c["in_text"] == gathers + reduces == c["spec_reference"] + 1
+    assert {k: v["count"] for k, v in c["by_kind"].items()} == {
+        "all_gather": bns, "all_reduce": bns + buckets + 1} == {"all_gather": gathers,
+                                                                 "all_reduce": reduces}
     # the BN sites and the loss in the scan's body, each micro-step; the gradient buckets after it
     ops = hlo.collectives(r.mlir)
     assert {o["site"] for o in ops if o["in_loop"]} == set(MICRO_STEP_SITES)
     assert {o["site"] for o in ops if not o["in_loop"]} == {"grad"}
-    assert c["per_micro_step"] == 3 * bns + 1
-    assert c["per_optimizer_step"]["count"] == k * (3 * bns + 1) + buckets
+    assert c["per_micro_step"] == 2 * bns + 1
+    assert c["per_optimizer_step"]["count"] == k * (2 * bns + 1) + buckets
     # a bf16 render: every collective carries f32, never bf16
-    assert c["by_kind"]["all_reduce"]["dtypes"] == ["f32"]
+    assert [v["dtypes"] for v in c["by_kind"].values()] == [["f32"]] * 2
     # payload: each parameter-gradient element once per optimizer step, in f32
     scalars = r.manifest["parameters"]["scalars"]
     assert c["by_site"]["grad"]["payload_bytes"] == 4 * scalars
@@ -143,7 +146,7 @@ def test_gradient_buckets_hold_each_element_once():
 @pytest.mark.slow
 def test_f64_renders_reduce_in_f64(example_f64):
     c = example_f64[0].manifest["collectives"]
-    assert c["by_kind"]["all_reduce"]["dtypes"] == ["f64"]
+    assert [v["dtypes"] for v in c["by_kind"].values()] == [["f64"]] * 2
 
 
 @pytest.mark.slow
@@ -154,7 +157,7 @@ def test_the_counter_sees_missing_collectives():
     net = get_net("resnet50")
     buckets = len(grad_buckets(jax.tree.leaves(ties.setup(ties.TieConfig("resnet50", 4), net)[0])))
     assert buckets == 10  # f64: twice the bytes of f32's 4
-    for control, want in (("none", 3 * 53 + buckets + 1), ("unsynced", buckets + 1)):
+    for control, want in (("none", 2 * 53 + buckets + 1), ("unsynced", buckets + 1)):
         cfg = ties.TieConfig("resnet50", 4, control=control)
         params, buffers, x, t = ties.setup(cfg, net)
         program = ties.replica_program(net, cfg, ties.tie_precision("f64"))
@@ -168,8 +171,9 @@ def test_the_counter_sees_missing_collectives():
 
 
 def test_the_collective_reader_sees_bf16_and_sites():
-    """A hand-written all-reduce of a bf16 tensor under a site's scope: the reader reports its
-    dtype and site, so a bf16 collective in a render could not pass unseen."""
+    """Hand-written collectives under a site's scope — an all-reduce of a bf16 tensor, an
+    all-gather of bf16 moments: the reader reports each one's kind, dtype and site, so a bf16
+    collective in a render could not pass unseen."""
     text = "\n".join([
         '%3 = "stablehlo.all_reduce"(%2) <{replica_groups = dense<[[0, 1]]> : tensor<1x2xi64>}>'
         ' ({',
@@ -177,11 +181,16 @@ def test_the_collective_reader_sees_bf16_and_sites():
         "  %4 = stablehlo.add %a, %b : tensor<bf16> loc(#loc3)",
         "  stablehlo.return %4 : tensor<bf16> loc(#loc3)",
         "}) : (tensor<7x3xbf16>) -> tensor<7x3xbf16> loc(#loc3)",
-        '#loc3 = loc("while/body/closed_call/bn_backward/psum_invariant")'])
-    (op,) = hlo.collectives(text)
-    assert op == {"kind": "all_reduce", "site": "bn_backward", "in_loop": False,
-                  "operands": [((7, 3), "bf16")], "bytes": 42}
-    assert set(SITES) >= {"bn_forward_mean", "bn_forward_var", "bn_backward", "grad", "loss"}
+        '%5 = "stablehlo.all_gather"(%4) <{all_gather_dim = 0 : i64, replica_groups = dense<[[0,'
+        ' 1]]> : tensor<1x2xi64>}> : (tensor<1x2x8xbf16>) -> tensor<2x2x8xbf16> loc(#loc4)',
+        '#loc3 = loc("while/body/closed_call/bn_backward/psum_invariant")',
+        '#loc4 = loc("bn_forward/all_gather_invariant"(#loc3))'])
+    assert hlo.collectives(text) == [
+        {"kind": "all_reduce", "site": "bn_backward", "in_loop": False,
+         "operands": [((7, 3), "bf16")], "bytes": 42},
+        {"kind": "all_gather", "site": "bn_forward", "in_loop": False,
+         "operands": [((1, 2, 8), "bf16")], "bytes": 32}]
+    assert set(SITES) == {"bn_forward", "bn_backward", "grad", "loss"}
 
 
 @pytest.mark.parametrize("net,name", [("resnet50", "resnet50in_adamdp2bf16"),

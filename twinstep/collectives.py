@@ -5,8 +5,11 @@ sites) and to the step's gradient collective. With ``axis=None`` it is the singl
 emits no collective at all, so the same op code is the single-device program and, inside
 ``jax.shard_map`` over a named mesh axis, the replica program.
 
-Every collective is a MEAN over the replica axis, in the dtype of the statistic it carries
-(f32, or f64 in the exact checks; never bf16 — the callers keep BN and gradients in f32).
+Two collective kinds, in the dtype of the statistic they carry (f32, or f64 in the exact checks;
+never bf16 — the callers keep BN and gradients in f32): a MEAN over the replica axis (an
+all-reduce), and for a BN's forward moments a GATHER (an all-gather) of every replica's row, which
+each replica then combines itself in the same order, so that the two-round exact combination costs
+one round.
 
 ``control`` deliberately breaks one sync site, so that the checks that say "equal" can be shown
 to catch the classic data-parallel bugs (see `CONTROLS`).
@@ -40,8 +43,7 @@ GRADIENT_ONLY_CONTROLS = ("unsynced",)
 # The sync sites (docs/sync-sites.md), each collective emitted under a ``jax.named_scope`` of its
 # site's name so that a render's StableHLO says which site every all-reduce belongs to.
 SITES = {
-    "bn_forward_mean": "a BN's forward mean, mean_r mu_r (one per BN)",
-    "bn_forward_var": "a BN's forward variance, mean_r (var_r + (mu_r - mu)^2) (one per BN)",
+    "bn_forward": "a BN's shard moments [mu_r, var_r], gathered from every replica (one per BN)",
     "bn_backward": "a BN's backward pair [mean(g dy), mean(xhat g dy)] (one per BN)",
     "grad": "a bucket of parameter gradients, all-reduced by its mean once per optimizer step "
             "(each gradient element in exactly one bucket)",
@@ -49,7 +51,7 @@ SITES = {
 }
 # The sites inside the accumulation scan (once per micro-step); "grad" is after it, once per
 # optimizer step.
-MICRO_STEP_SITES = ("bn_forward_mean", "bn_forward_var", "bn_backward", "loss")
+MICRO_STEP_SITES = ("bn_forward", "bn_backward", "loss")
 
 # Gradients travel in buckets of at most this many bytes (PyTorch DDP's default cap): a few large
 # all-reduces instead of one per tensor, each small enough not to hold a second copy of every
@@ -70,6 +72,13 @@ def grad_buckets(leaves) -> list[list[int]]:
         buckets[-1].append(i)
         size += nbytes
     return buckets
+
+
+def _site(site: str):
+    """The named scope that labels a collective with its sync site."""
+    if site not in SITES:
+        raise ValueError(f"unknown sync site {site!r}; choose from {sorted(SITES)}")
+    return jax.named_scope(site)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,16 +105,22 @@ class Replicas:
         return self.synced and self.control != "unsynced"
 
     def mean(self, x: jax.Array, site: str) -> jax.Array:
-        """The mean over replicas of ``x`` (identity on one device). The one collective kind;
-        ``site`` (a key of `SITES`) names it in the lowered program."""
+        """The mean over replicas of ``x`` (identity on one device); ``site`` (a key of `SITES`)
+        names the all-reduce in the lowered program."""
         if not self.synced:
             return x
-        if site not in SITES:
-            raise ValueError(f"unknown sync site {site!r}; choose from {sorted(SITES)}")
-        with jax.named_scope(site):
+        with _site(site):
             if self.control == "sum":
                 return lax.psum(x, self.axis)
             return lax.pmean(x, self.axis)
+
+    def gather(self, x: jax.Array, site: str) -> jax.Array:
+        """[R, *x.shape]: every replica's ``x``, in replica order, the same on every replica
+        (typed replicated); ``x[None]`` on one device. An all-gather named by ``site``."""
+        if not self.synced:
+            return x[None]
+        with _site(site):
+            return lax.all_gather(x, self.axis, to="invarying")
 
     def bn_mean(self, x: jax.Array, site: str) -> jax.Array:
         """A BatchNorm statistic's mean over replicas; per-replica under the `unsynced` control."""

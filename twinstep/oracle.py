@@ -338,8 +338,8 @@ def check_divisor(kind: str, count: int, rng, n: int = 2, k: int = 5,
 def naive_moments_exchange(x, rep: Replicas):
     """The one-round E[x^2] - E[x]^2 exchange — a known-bad formula, kept only as a control:
     it cancels catastrophically when the mean is large against the spread."""
-    m1 = rep.mean(jnp.mean(x, axis=(0, 1, 2)), "bn_forward_mean")
-    m2 = rep.mean(jnp.mean(x * x, axis=(0, 1, 2)), "bn_forward_var")
+    m1 = rep.mean(jnp.mean(x, axis=(0, 1, 2)), "bn_forward")
+    m2 = rep.mean(jnp.mean(x * x, axis=(0, 1, 2)), "bn_forward")
     return m1, m2 - m1 * m1
 
 

@@ -51,10 +51,10 @@ from twinstep.ops import conv
 from twinstep.ops.precision import NAMES as PRECISIONS
 from twinstep.ops.precision import get_precision
 
-# The reference count (docs/sync-sites.md): 3 per BN (mean, variance, backward pair) in each
-# micro-step + 1 per gradient bucket after the scan. twinstep emits exactly these, plus one scalar
-# for the reported loss.
-BN_SITES = ("bn_forward_mean", "bn_forward_var", "bn_backward")
+# The reference count (docs/sync-sites.md): 2 per BN (the gathered forward moments, the backward
+# pair) in each micro-step + 1 per gradient bucket after the scan. twinstep emits exactly these,
+# plus one scalar for the reported loss.
+BN_SITES = ("bn_forward", "bn_backward")
 SMALL_RES = 32  # `render --all`: the resolution of the committed manifests
 DEFAULT_CLASSES = 1000
 SUFFIXES = (".mlir", ".jaxexport", ".json")
@@ -252,7 +252,7 @@ def collective_summary(ops: list[dict], net, classes: int, dtype, accum: int) ->
                 "count": accum * micro["count"] + once["count"],
                 "payload_bytes": accum * micro["payload_bytes"] + once["payload_bytes"]},
             "spec_reference": len(BN_SITES) * bns + len(buckets),
-            "note": "the reference count (docs/sync-sites.md): 3 per BN (in each micro-step) "
+            "note": "the reference count (docs/sync-sites.md): 2 per BN (in each micro-step) "
                     "+ 1 per gradient bucket (once per optimizer step, after the k "
                     "micro-steps); the 'loss' site (the reported mean loss, a scalar, each "
                     "micro-step) is the one collective beyond it."}

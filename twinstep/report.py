@@ -158,9 +158,9 @@ def render_table(rows: list, replicas: int, out: str, console=None) -> None:
     """One row per render written: rows of (manifest, seconds)."""
     console = console or Console()
     table = Table(title=f"renders for R = {replicas} in {out}",
-                  caption="all-reduces in the program (docs/sync-sites.md's reference: 3 per "
+                  caption="collectives in the program (docs/sync-sites.md's reference: 2 per "
                           "BN + 1 per gradient bucket; +1 for the loss), and per optimizer step")
-    for col in ("name", "N x k", "all-reduces (ref.)", "per step", "convs", "MiB", "s"):
+    for col in ("name", "N x k", "collectives (ref.)", "per step", "convs", "MiB", "s"):
         table.add_column(col, justify="left" if col == "name" else "right", overflow="fold")
     for m, seconds in rows:
         c = m["collectives"]

@@ -7,8 +7,9 @@ The `Replicas` context decides which: the same code is the single-device op (no 
 and the replica op inside ``jax.shard_map``.
 
 Sites, in the order the step meets them:
-- forward site  `bn_forward_site`: mu = mean_r mu_r; var = mean_r (var_r + (mu_r - mu)^2)
-  (Chan's parallel variance: exact for equal shards; two rounds, never E[x^2] - E[x]^2).
+- forward site  `bn_forward_site`: one gather of every replica's [mu_r, var_r], then on each
+  replica mu = mean_r mu_r; var = mean_r (var_r + (mu_r - mu)^2) (Chan's parallel variance:
+  exact for equal shards, never E[x^2] - E[x]^2; the gather lets it take one round, not two).
 - backward site `bn_backward_site`: one collective of [mean(g.dy), mean(xhat.g.dy)], then
   dx = rstd (g.dy - mean(g.dy) - xhat mean(xhat.g.dy)), xhat from the GLOBAL mu, var.
 - gamma, beta nodes `bn_gamma_grad`, `bn_beta_grad`: sum(dy.xhat) with the GLOBAL statistics,
@@ -65,10 +66,12 @@ def _shard_moments(x):
 
 
 def bn_forward_site(x, replicas: Replicas = SINGLE) -> BNStats:
-    """Global statistics of x [N, H, W, C] over all replicas' rows (two mean collectives)."""
-    mu_r, var_r = _shard_moments(x)
-    mu = replicas.bn_mean(mu_r, "bn_forward_mean")
-    var = replicas.bn_mean(var_r + jnp.square(mu_r - mu), "bn_forward_var")
+    """Global statistics of x [N, H, W, C] over all replicas' rows (one gather collective)."""
+    mu, var = _shard_moments(x)
+    if replicas.bn_synced:  # else this shard's statistics (one device, or the `unsynced` control)
+        mu_r, var_r = replicas.gather(jnp.stack([mu, var]), "bn_forward").swapaxes(0, 1)
+        mu = jnp.mean(mu_r, axis=0)  # mu_r, var_r: [R, C]
+        var = jnp.mean(var_r + jnp.square(mu_r - mu), axis=0)
     rows = x.shape[0] * x.shape[1] * x.shape[2]
     return BNStats(mu, var, rows * (replicas.count if replicas.bn_synced else 1))
 
