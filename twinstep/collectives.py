@@ -41,7 +41,7 @@ MASK_CONTROLS = ("replicated-masks",)  # visible only when a recipe draws masks
 GRADIENT_ONLY_CONTROLS = ("unsynced",)
 
 # The sync sites (docs/sync-sites.md), each collective emitted under a ``jax.named_scope`` of its
-# site's name so that a render's StableHLO says which site every all-reduce belongs to.
+# site's name so that a render's StableHLO says which site every collective belongs to.
 SITES = {
     "bn_forward": "a BN's shard moments [mu_r, var_r], gathered from every replica (one per BN)",
     "bn_backward": "a BN's backward pair [mean(g dy), mean(xhat g dy)] (one per BN)",
