@@ -1,8 +1,10 @@
 """XLA:CPU levers on twinstep's whole DP train step, each a variant compiled in the same process
 and timed interleaved with the default: the oneDNN and XNNPACK paths of the installed jaxlib
-(per-compile options, so one run compares them), state donation, dense convolutions as XLA
-convolutions (the ``conv`` path) instead of the CPU default; and sync-BN's overhead,
-the gradient step with BN synchronised vs per-replica statistics (the `unsynced` control).
+(per-compile options, so one run compares them), one thread per device for XLA's kernels
+(``xla_cpu_multi_thread_eigen`` off), state donation, dense convolutions as XLA convolutions
+(the ``conv`` path) instead of the CPU default; and sync-BN's overhead, the gradient step with
+BN synchronised vs per-replica statistics (the `unsynced` control), with XLA's intra-op threads
+and without.
 
     python bench/levers.py [--nets resnet50 mnv4] [--res 64] [--replicas 2] [--global-batch 8]
 """
@@ -29,7 +31,16 @@ VARIANTS = {  # name: (XLA compiler options, donate the state, dense conv path)
     "xla_cpu_use_onednn": ({"xla_cpu_use_onednn": True}, True, None),
     "xla_cpu_use_xnnpack": ({"xla_cpu_use_xnnpack": True}, True, None),
     "dense path conv": ({}, True, "conv"),
+    # one thread per device for XLA's dot / conv kernels: with as many replicas as cores, each
+    # device's thread has a core, and no intra-op pool competes with the other devices for it
+    "xla_cpu_multi_thread_eigen off": ({"xla_cpu_multi_thread_eigen": False}, True, None),
 }
+# the gradient step synced and unsynced, each compiled with these options (label suffix: options)
+GRAD_STEP_OPTIONS = {"": {}, ", eigen off": VARIANTS["xla_cpu_multi_thread_eigen off"][0]}
+
+
+def grad_label(synced: bool, suffix: str = "") -> str:
+    return f"grad step, BN {'synced' if synced else 'unsynced'}{suffix}"
 
 
 def variants(name: str, res: int, replicas: int, global_batch: int, classes: int) -> dict:
@@ -65,9 +76,10 @@ def variants(name: str, res: int, replicas: int, global_batch: int, classes: int
     for control in ("none", "unsynced"):
         grad = program.grad_program(net, replicas, "ce", "f32", control=control,
                                     per_replica=True)
-        compiled = grad.lower(p, b, xs[0], ts[0]).compile()
-        fns[f"grad step, BN {'synced' if control == 'none' else 'unsynced'}"] = (
-            lambda compiled=compiled: block(compiled(p, b, xs[0], ts[0]).grads))
+        for suffix, options in GRAD_STEP_OPTIONS.items():
+            compiled = grad.lower(p, b, xs[0], ts[0]).compile(compiler_options=options)
+            fns[grad_label(control == "none", suffix)] = (
+                lambda compiled=compiled: block(compiled(p, b, xs[0], ts[0]).grads))
     return fns
 
 
@@ -87,7 +99,9 @@ def main():
             fns = variants(name, res, args.replicas, args.global_batch, args.classes)
             med = interleaved_medians(fns, runs=args.runs)
             for label, t in med.items():
-                base = med["grad step, BN unsynced" if "grad step" in label
+                # a grad-step row against the unsynced one compiled alike: sync-BN's overhead
+                suffix = next((x for x in GRAD_STEP_OPTIONS if x and label.endswith(x)), "")
+                base = med[grad_label(False, suffix) if label.startswith("grad step")
                            else "default (donated)"]
                 lines.append(f"| {name} | {res}² | {label} | {t * 1e3:.0f} | {t / base:.3f} |")
                 print(lines[-1], flush=True)
