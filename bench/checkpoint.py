@@ -45,9 +45,9 @@ def main(args) -> None:
     net, dtype = get_net(recipe.net), get_precision(args.precision).dtype
     shapes = net.param_shapes(1000)
     made = program.train_program(net, recipe, 1000, args.replicas, args.precision)
-    state = dp.replicate(made.init(
+    state = made.place(made.init(
         layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(), dtype),
-        layers.init_buffers(shapes, dtype)), args.replicas)
+        layers.init_buffers(shapes, dtype)))
     trees = {"replicated device arrays": lambda: state,
              "one host copy": lambda: jax.tree.map(np.asarray, state)}
     times = {k: ([], [], 0.0) for k in trees}

@@ -2,7 +2,8 @@
 and timed interleaved with the default: the oneDNN and XNNPACK paths of the installed jaxlib
 (per-compile options, so one run compares them), one thread per device for XLA's kernels
 (``xla_cpu_multi_thread_eigen`` off), state donation, dense convolutions as XLA convolutions
-(the ``conv`` path) instead of the CPU default; and sync-BN's overhead, the gradient step with
+(the ``conv`` path) instead of the CPU default, every replica holding and updating the whole
+optimizer state instead of a 1/R slice of it; and sync-BN's overhead, the gradient step with
 BN synchronised vs per-replica statistics (the `unsynced` control), with XLA's intra-op threads
 and without.
 
@@ -25,15 +26,16 @@ from common import append_results, block, interleaved_medians  # noqa: E402
 from twinstep import dp, program, recipes  # noqa: E402
 from twinstep.nets import get_net, layers  # noqa: E402
 
-VARIANTS = {  # name: (XLA compiler options, donate the state, dense conv path)
-    "default (donated)": ({}, True, None),
-    "not donated": ({}, False, None),
-    "xla_cpu_use_onednn": ({"xla_cpu_use_onednn": True}, True, None),
-    "xla_cpu_use_xnnpack": ({"xla_cpu_use_xnnpack": True}, True, None),
-    "dense path conv": ({}, True, "conv"),
+VARIANTS = {  # name: (XLA compiler options, donate the state, dense conv path, shard optimizer)
+    "default (donated)": ({}, True, None, True),
+    "not donated": ({}, False, None, True),
+    "xla_cpu_use_onednn": ({"xla_cpu_use_onednn": True}, True, None, True),
+    "xla_cpu_use_xnnpack": ({"xla_cpu_use_xnnpack": True}, True, None, True),
+    "dense path conv": ({}, True, "conv", True),
     # one thread per device for XLA's dot / conv kernels: with as many replicas as cores, each
     # device's thread has a core, and no intra-op pool competes with the other devices for it
-    "xla_cpu_multi_thread_eigen off": ({"xla_cpu_multi_thread_eigen": False}, True, None),
+    "xla_cpu_multi_thread_eigen off": ({"xla_cpu_multi_thread_eigen": False}, True, None, True),
+    "optimizer state replicated": ({}, True, None, False),
 }
 # the gradient step synced and unsynced, each compiled with these options (label suffix: options)
 GRAD_STEP_OPTIONS = {"": {}, ", eigen off": VARIANTS["xla_cpu_multi_thread_eigen off"][0]}
@@ -53,12 +55,12 @@ def variants(name: str, res: int, replicas: int, global_batch: int, classes: int
     ts = jax.nn.one_hot(jnp.asarray(rng.integers(0, classes, (1, global_batch))), classes)
     key = jax.random.key(1)
     fns = {}
-    for label, (options, donate, dense_path) in VARIANTS.items():
+    for label, (options, donate, dense_path, shard_optimizer) in VARIANTS.items():
         made = program.train_program(net, recipe, classes, replicas, "f32", donate=donate,
-                                     dense_path=dense_path)
+                                     dense_path=dense_path, shard_optimizer=shard_optimizer)
         # a copy for each variant: a donated state frees its arrays, the originals included
-        state = dp.replicate(made.init(*jax.tree.map(jnp.copy, (
-            params, layers.init_buffers(shapes)))), replicas)
+        state = made.place(made.init(*jax.tree.map(jnp.copy, (
+            params, layers.init_buffers(shapes)))))
         try:
             compiled = made.step.lower(state, xs, ts, key).compile(compiler_options=options)
         except Exception as e:  # an option this jaxlib does not take: reported, not timed

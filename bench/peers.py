@@ -135,7 +135,7 @@ def peers(name: str, res: int, replicas: int, global_batch: int, classes: int) -
 
     made = program.train_program(net, recipe, classes, replicas, "f32", donate=True)
     # a copy: the step donates its state, which must not free the arrays the peers start from
-    state = dp.replicate(made.init(*jax.tree.map(jnp.copy, (params, buffers))), replicas)
+    state = made.place(made.init(*jax.tree.map(jnp.copy, (params, buffers))))
     args = (jnp.asarray(x[None]), jnp.asarray(t[None]), jax.random.key(1))
     compiled, seconds, planned = _compiled(made.step, state, *args)
     out["twinstep"] = (Runner(compiled, state, *args), seconds, planned)

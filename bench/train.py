@@ -61,8 +61,7 @@ def loop_overhead(args) -> str:
             from twinstep.nets import get_net
 
             src = loader.source("digits", args.res)
-            state = dp.replicate(trainer.init_state(tc, get_net(recipe.net), prog, src.classes),
-                                 args.replicas)
+            state = prog.place(trainer.init_state(tc, get_net(recipe.net), prog, src.classes))
             xs, ts, _ = loader.train_batch(src, loader.Augment(), 0, 0, recipe.accum, tc.rows,
                                            np.float32)
             import jax

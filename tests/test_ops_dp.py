@@ -3,9 +3,12 @@ CPU devices with deliberately shifted shards — and the negative controls that 
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from twinstep import dp, oracle
+from twinstep import dp, oracle, program, recipes
+from twinstep.nets import get_net
 
 REPLICAS = [1, 2, 3, 4]
 N = 2  # per replica
@@ -92,3 +95,46 @@ def test_a_replicated_tree_can_be_donated_without_freeing_the_original():
     jax.jit(lambda t: jax.tree.map(lambda a: a + 1, t), donate_argnums=0)(replicated)
     assert replicated["a"].is_deleted() and not original["a"].is_deleted()
     assert float(original["a"].sum()) == 6.0
+
+
+def test_the_optimizer_state_is_laid_out_in_slices_and_placed_so():
+    """Each replica holds 1/R of every optimizer-state tensor (its first dimension R divides), the
+    rest of the state whole; `place` puts each leaf so, copying (the step donates the state)."""
+    assert dp.slice_spec((6, 4), 2) == P(dp.AXIS)
+    assert dp.slice_spec((3, 4), 2) == P(None, dp.AXIS)
+    assert dp.slice_spec((3, 5), 2) == dp.slice_spec((), 2) == dp.REPLICATED
+    made = program.train_program(get_net("mnv4"), recipes.parse("mnv4in_adamdp2"), 10, 2)
+    specs = made.in_specs[0]
+    mu = specs.opt_state[0].mu
+    assert set(mu) == set(made.state.params) and mu["conv_stem.weight"] != dp.REPLICATED
+    assert all(sp == dp.slice_spec(made.state.params[k].shape, 2) for k, sp in mu.items())
+    assert {sp for sp in jax.tree.leaves((specs.params, specs.buffers, specs.step),
+                                         is_leaf=lambda x: isinstance(x, P))} == {dp.REPLICATED}
+    original = {"m": jnp.arange(8.0).reshape(4, 2), "count": jnp.zeros(())}
+    placed = dp.place(original, {"m": P(dp.AXIS), "count": P()}, 2)
+    assert [s.data.shape for s in placed["m"].addressable_shards] == [(2, 2), (2, 2)]
+    assert placed["count"].sharding.is_fully_replicated
+    jax.jit(lambda t: jax.tree.map(lambda a: a + 1, t), donate_argnums=0)(placed)
+    assert placed["m"].is_deleted() and float(original["m"].sum()) == 28.0
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_the_gradient_mean_in_slices_is_the_whole_means_slices(count, rng):
+    """With slice dimensions each replica gets block r of the mean along each tensor's
+    dimension (reduce-scatter), a tensor with none the whole mean; the `sum` control breaks it."""
+    shapes = {"a": (4, 3), "b": (3, 4), "c": (3, 5)}
+    grads = {k: jnp.asarray(rng.standard_normal((count, *s)), jnp.float32)
+             for k, s in shapes.items()}  # replica r's gradients are grads[k][r]
+    dims = {k: dp.slice_dim(s, count) for k, s in shapes.items()}
+    assert dims == {"a": 0, "b": 1, "c": None}
+
+    def reduced(control):
+        rep = dp.replicas(count, control)
+        return jax.jit(dp.per_replica(
+            lambda g: rep.grad_mean({k: v[0] for k, v in g.items()}, dims), dp.mesh(count),
+            (dp.BATCH,), {k: dp.slice_spec(s, count) for k, s in shapes.items()}))(grads)
+
+    out, summed = reduced("none"), reduced("sum")
+    for k, g in grads.items():
+        np.testing.assert_allclose(out[k], g.mean(0), rtol=1e-6, atol=1e-7)
+        assert not np.allclose(summed[k], g.mean(0), rtol=1e-3)

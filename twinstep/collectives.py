@@ -5,11 +5,12 @@ sites) and to the step's gradient collective. With ``axis=None`` it is the singl
 emits no collective at all, so the same op code is the single-device program and, inside
 ``jax.shard_map`` over a named mesh axis, the replica program.
 
-Two collective kinds, in the dtype of the statistic they carry (f32, or f64 in the exact checks;
-never bf16 — the callers keep BN and gradients in f32): a MEAN over the replica axis (an
-all-reduce), and for a BN's forward moments a GATHER (an all-gather) of every replica's row, which
+Three collective kinds, in the dtype of the statistic they carry (f32, or f64 in the exact
+checks; never bf16 — the callers keep BN and gradients in f32): a MEAN over the replica axis (an
+all-reduce); for a BN's forward moments a GATHER (an all-gather) of every replica's row, which
 each replica then combines itself in the same order, so that the two-round exact combination costs
-one round.
+one round; and where the optimizer state is spread over the replicas in slices, a gradient
+bucket's mean SCATTERED (a reduce-scatter): each replica receives only its slices.
 
 ``control`` deliberately breaks one sync site, so that the checks that say "equal" can be shown
 to catch the classic data-parallel bugs (see `CONTROLS`).
@@ -46,7 +47,8 @@ SITES = {
     "bn_forward": "a BN's shard moments [mu_r, var_r], gathered from every replica (one per BN)",
     "bn_backward": "a BN's backward pair [mean(g dy), mean(xhat g dy)] (one per BN)",
     "grad": "a bucket of parameter gradients, all-reduced by its mean once per optimizer step "
-            "(each gradient element in exactly one bucket)",
+            "(each gradient element in exactly one bucket), or reduce-scattered into the slices "
+            "each replica updates",
     "loss": "the reported loss, the mean of the replicas' losses (one per micro-step)",
 }
 # The sites inside the accumulation scan (once per micro-step); "grad" is after it, once per
@@ -135,21 +137,48 @@ class Replicas:
             return n + (self.index() == 0)
         return n
 
-    def grad_mean(self, grads):
-        """The parameter-gradient collective: every element of ``grads`` (a pytree) all-reduced
-        by its mean exactly once, the leaves packed into `grad_buckets` (one all-reduce each)."""
+    def grad_mean(self, grads, slice_dims=None):
+        """The parameter-gradient collective: every element of ``grads`` (a pytree) reduced by its
+        mean exactly once, the leaves packed into `grad_buckets` (one collective each).
+
+        ``slice_dims`` (a tree like ``grads``, an int or None per leaf): a leaf with a dimension
+        d comes back as only this replica's slice of it — block r of R along d, a reduce-scatter
+        per bucket of such leaves; a leaf with None comes back whole (an all-reduce per bucket).
+        """
         if not self.synced:
             return grads
         leaves, tree = jax.tree.flatten(grads)
+        dims = ([None] * len(leaves) if slice_dims is None
+                else tree.flatten_up_to(slice_dims))
         out = [None] * len(leaves)
-        for bucket in grad_buckets(leaves):
-            flat = self.mean(jnp.concatenate([leaves[i].reshape(-1) for i in bucket]), "grad")
+        whole = [i for i, d in enumerate(dims) if d is None]
+        for bucket in grad_buckets([leaves[i] for i in whole]):
+            idx = [whole[j] for j in bucket]
+            flat = self.mean(jnp.concatenate([leaves[i].reshape(-1) for i in idx]), "grad")
             start = 0
-            for i in bucket:
-                size = leaves[i].size
-                out[i] = flat[start:start + size].reshape(leaves[i].shape)
+            for i in idx:
+                out[i] = flat[start:start + leaves[i].size].reshape(leaves[i].shape)
+                start += leaves[i].size
+        # [R, size / R] per sliced leaf: row r is block r along its dimension
+        moved = {i: jnp.moveaxis(leaves[i], d, 0) for i, d in enumerate(dims) if d is not None}
+        rows = {i: m.reshape(self.count, -1) for i, m in moved.items()}
+        split = list(rows)
+        for bucket in grad_buckets([rows[i] for i in split]):
+            idx = [split[j] for j in bucket]
+            mine = self._mean_scatter(jnp.concatenate([rows[i] for i in idx], axis=1))
+            start = 0
+            for i in idx:
+                size, m = rows[i].shape[1], moved[i]
+                block = mine[start:start + size].reshape(m.shape[0] // self.count, *m.shape[1:])
+                out[i] = jnp.moveaxis(block, 0, dims[i])
                 start += size
         return jax.tree.unflatten(tree, out)
+
+    def _mean_scatter(self, x: jax.Array) -> jax.Array:
+        """Row r of the replicas' mean of x [R, n] on replica r: [n]."""
+        with _site("grad"):
+            total = lax.psum_scatter(x, self.axis, scatter_dimension=0)
+        return total if self.control == "sum" else total / self.count
 
     def varying(self, tree):
         """``tree`` (the same on every replica) typed as varying over the replicas, e.g. a scan's

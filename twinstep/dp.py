@@ -89,8 +89,51 @@ def replica_map(fn, count: int, in_specs, out_specs, fast_compile: bool = False,
     """
     if count == 1:
         return jit(fn, fast_compile, donate)
-    return jit(jax.shard_map(fn, mesh=on or mesh(count), in_specs=in_specs, out_specs=out_specs,
-                             check_vma=True), fast_compile, donate)
+    return jit(per_replica(fn, on or mesh(count), in_specs, out_specs), fast_compile, donate)
+
+
+def per_replica(fn, on, in_specs, out_specs):
+    """shard_map(fn) over the mesh ``on``: fn runs once per replica on its shards."""
+    return jax.shard_map(fn, mesh=on, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+
+
+def laid_out_jit(fn, on, in_specs, out_specs, fast_compile: bool = False, donate: tuple = ()):
+    """`jit` of a global-view ``fn`` (XLA partitions it over the mesh ``on``) whose arguments
+    and results are laid out as the PartitionSpec trees ``in_specs`` / ``out_specs`` say; an
+    argument laid out otherwise is refused, so callers place it first (`place`)."""
+    def shardings(specs):
+        return jax.tree.map(lambda sp: NamedSharding(on, sp), specs,
+                            is_leaf=lambda x: isinstance(x, P))
+
+    return jax.jit(fn, in_shardings=shardings(in_specs), out_shardings=shardings(out_specs),
+                   compiler_options=FAST_COMPILE if fast_compile else None,
+                   donate_argnums=donate)
+
+
+def slice_dim(shape: tuple, count: int) -> int | None:
+    """The dimension along which an optimizer-state tensor of ``shape`` is spread over ``count``
+    replicas, each holding a 1/count slice: the first one ``count`` divides; None (the whole
+    tensor on every replica) for a scalar or a shape with no such dimension."""
+    return next((d for d, n in enumerate(shape) if n % count == 0), None)
+
+
+def slice_spec(shape: tuple, count: int) -> P:
+    """`slice_dim`'s layout as a PartitionSpec."""
+    d = slice_dim(shape, count)
+    return REPLICATED if d is None else P(*([None] * d + [AXIS]))
+
+
+def place(tree, specs, count: int):
+    """``tree`` (the same full value everywhere) on `mesh(count)`, each leaf laid out as its
+    PartitionSpec in ``specs`` (a matching tree) says; copied, never aliased (see `replicate`).
+    As is at one replica."""
+    if count == 1:
+        return tree
+    shardings = jax.tree.map(lambda sp: NamedSharding(mesh(count), sp), specs,
+                             is_leaf=lambda x: isinstance(x, P))
+    if hosts.count() > 1:
+        return hosts.placed(tree, shardings)
+    return jax.device_put(jax.tree.map(jnp.copy, tree), shardings)
 
 
 BATCH = P(AXIS)  # sharded along the batch (leading) axis

@@ -137,15 +137,18 @@ def global_array(local: np.ndarray, sharding, global_shape: tuple, axis: int = 0
 
 
 def placed(tree, sharding):
-    """``tree`` (the same full value in every process) placed as ``sharding``: each process puts
-    its own devices' shards."""
+    """``tree`` (the same full value in every process) placed as ``sharding`` (one for every
+    leaf, or a tree of them matching ``tree``): each process puts its own devices' shards."""
     if count() == 1:
         return jax.device_put(tree, sharding)
-    def one(a):
-        whole = np.asarray(a)
-        return jax.make_array_from_callback(whole.shape, sharding, lambda idx: whole[idx])
+    if isinstance(sharding, jax.sharding.Sharding):
+        sharding = jax.tree.map(lambda _: sharding, tree)
 
-    return jax.tree.map(one, tree)
+    def one(a, where):
+        whole = np.asarray(a)
+        return jax.make_array_from_callback(whole.shape, where, lambda idx: whole[idx])
+
+    return jax.tree.map(one, tree, sharding)
 
 
 def local_value(a) -> np.ndarray:
@@ -154,6 +157,18 @@ def local_value(a) -> np.ndarray:
     if isinstance(a, jax.Array) and not a.is_fully_addressable:
         a = a.addressable_shards[0].data
     return np.asarray(a)
+
+
+def whole(a) -> np.ndarray:
+    """``a`` complete here, as NumPy: a replicated array read from this process's first shard
+    (`local_value`), one spread over the processes gathered from all of them (every process
+    calls this together)."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable and (
+            not a.sharding.is_fully_replicated):
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return local_value(a)
 
 
 def local_rows_of(a, rows: slice) -> np.ndarray:
@@ -175,14 +190,11 @@ def gathered(tree):
     processes): what the report of a tie compares."""
     if count() == 1:
         return tree
-    from jax.experimental import multihost_utils
 
     def one(a):
         if not isinstance(a, jax.Array) or a.is_fully_addressable:
             return a
-        if a.sharding.is_fully_replicated:
-            return local_value(a)
-        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return whole(a)
 
     return jax.tree.map(one, tree)
 

@@ -83,7 +83,9 @@ class TrainProgram(NamedTuple):
     init: object  # (params, buffers) -> TrainState
     step: object  # the jitted step (see `train_program`)
     state: step.TrainState  # the state's ShapeDtypeStructs
-    in_specs: tuple  # a PartitionSpec per argument of ``step`` (flat: per leaf)
+    in_specs: tuple  # a PartitionSpec per argument of ``step`` (flat: per leaf; else the
+    # state's is a TrainState of them)
+    place: object  # (state) -> the state on the step's replicas, laid out as ``step`` takes it
 
 
 def abstract_params(net: Net, classes: int, dtype) -> tuple[dict, dict]:
@@ -96,16 +98,25 @@ def abstract_params(net: Net, classes: int, dtype) -> tuple[dict, dict]:
 def train_program(net: Net, recipe, classes: int, replicas: int = 1,
                   precision: str | Precision = "f32", control: str = "none", mesh=None,
                   flat: bool = False, donate: bool = False, fast_compile: bool = False,
-                  depthwise_path: str | None = None,
-                  dense_path: str | None = None) -> TrainProgram:
+                  depthwise_path: str | None = None, dense_path: str | None = None,
+                  shard_optimizer: bool = True) -> TrainProgram:
     """The recipe's whole train step on R replicas.
 
     step(state, xs, ts, key) -> (state, {"loss", "lr"}); xs, ts sharded along their R N rows,
-    the state and the key replicated. At R = 1 step also takes ``row_order`` [N] (the tie's
-    reordered single-device batch, see `step.accumulate`). ``flat``: the signature jax.export
-    needs with no pytree registrations — (*state leaves, xs, ts, key data uint32[2]) ->
-    (*state leaves, loss, lr). ``donate``: the step may reuse the state's buffers (the caller
-    drops the old state). ``mesh``: see the module docstring."""
+    the key replicated. At R = 1 step also takes ``row_order`` [N] (the tie's reordered
+    single-device batch, see `step.accumulate`). ``flat``: the signature jax.export needs with
+    no pytree registrations — (*state leaves, xs, ts, key data uint32[2]) -> (*state leaves,
+    loss, lr), every state leaf replicated (a render's collectives are all in its StableHLO).
+    ``donate``: the step may reuse the state's buffers (the caller drops the old state).
+    ``mesh``: see the module docstring.
+
+    ``shard_optimizer`` (R > 1, not flat, not LAMB: `optim.PER_TENSOR_NORMS`): the optimizer
+    state is spread over the replicas (`dp.slice_spec`: each holds a 1/R slice of every moment
+    tensor), the gradient collective hands each replica only its slices, each replica runs the
+    optimizer on them and the new parameters are all-gathered — R times less optimizer work
+    and state per replica than every replica repeating it (ZeRO stage 1); the parameters,
+    buffers, EMA and step stay replicated. Off, every replica holds the whole state and runs
+    the whole update."""
     prec = get_precision(precision)
     params, buffers = abstract_params(net, classes, prec.dtype)
     opt = optim.for_recipe(recipe, params)
@@ -115,6 +126,10 @@ def train_program(net: Net, recipe, classes: int, replicas: int = 1,
 
     state = jax.eval_shape(init, params, buffers)
     ctx = context(replicas, prec, control, depthwise_path, dense_path)
+    if (replicas > 1 and shard_optimizer and not flat
+            and recipe.optimizer not in optim.PER_TENSOR_NORMS):
+        return _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh or
+                                         dp.mesh(replicas), donate, fast_compile)
 
     def train(st, xs, ts, key, row_order=None):
         return step.train_step(net, recipe, opt, st, xs, ts, key, ctx, row_order)
@@ -139,7 +154,46 @@ def train_program(net: Net, recipe, classes: int, replicas: int = 1,
         in_specs = (r,) * len(in_specs)
     program = dp.replica_map(fn, replicas, in_specs, out_specs, fast_compile, on=mesh,
                              donate=donated if donate else ())
-    return TrainProgram(opt, init, program, state, in_specs)
+    return TrainProgram(opt, init, program, state, in_specs,
+                        lambda st: dp.replicate(st, replicas))
+
+
+def _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh, donate: bool,
+                              fast_compile: bool) -> TrainProgram:
+    """train_program's step with the optimizer state spread over the replicas: the micro-steps
+    and the gradient collective per replica (shard_map), then the update on the whole arrays,
+    which XLA partitions as the state's layout says — each replica updates its slices, the
+    norms a clip or LAMB takes are summed over the replicas, the new parameters all-gathered.
+    The gradient collective reduce-scatters: each replica receives only its slices."""
+    count = ctx.replicas.count
+    r, s = dp.REPLICATED, dp.MICRO_BATCH
+
+    def spec(path, leaf):
+        return dp.slice_spec(leaf.shape, count) if step.path_parts(path)[0] == "opt_state" else r
+
+    state_specs = jax.tree_util.tree_map_with_path(spec, state)
+    grad_specs = {k: dp.slice_spec(p.shape, count) for k, p in state.params.items()}
+    slices = {k: NamedSharding(mesh, sp) for k, sp in grad_specs.items()}
+    everywhere = NamedSharding(mesh, r)
+    # each replica receives only the slices of the mean gradient it updates (a reduce-scatter)
+    dims = {k: dp.slice_dim(p.shape, count) for k, p in state.params.items()}
+    accumulate = dp.per_replica(
+        lambda p, b, xs, ts, key: step.accumulate(net, recipe, p, b, xs, ts, key, ctx,
+                                                  slice_dims=dims),
+        mesh, (r, r, s, s, r), (grad_specs, r, r))
+
+    def train(st, xs, ts, key):
+        grads, buffers, loss = accumulate(st.params, st.buffers, xs, ts, key)
+        return step.update(recipe, opt, st, grads, buffers, loss,
+                           sliced=lambda t: jax.lax.with_sharding_constraint(t, slices),
+                           whole=lambda t: jax.lax.with_sharding_constraint(
+                               t, {k: everywhere for k in t}))
+
+    in_specs = (state_specs, s, s, r)
+    program = dp.laid_out_jit(train, mesh, in_specs, (state_specs, r), fast_compile,
+                              donate=(0,) if donate else ())
+    return TrainProgram(opt, init, program, state, in_specs,
+                        lambda st: dp.place(st, state_specs, count))
 
 
 def artifact_program(exported: jax.export.Exported, manifest: dict, fast_compile: bool = False,

@@ -11,8 +11,9 @@ statistics per micro-batch, running statistics at momentum 1 - (1 - m)^(1/k) per
 each replica's gradients summed over k and all-reduced once, then divided by k), then the clip
 and the optimizer (`twinstep.optim`), then the EMA of weights and running statistics
 (`twinstep.ema`). After the collective every replica holds the same gradient, so everything after
-it leaves every replica with the same state. Drop-path and dropout
-masks are drawn for the GLOBAL batch from the step's key and sharded with the batch.
+it leaves every replica with the same parameters, buffers and EMA (the optimizer state may be
+spread over the replicas in slices: `update`). Drop-path and dropout masks are drawn for the
+GLOBAL batch from the step's key and sharded with the batch.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def grad_step(net, params: dict, buffers: dict, x, targets, ctx: layers.Ctx, los
 
 
 class TrainState(NamedTuple):
-    """Everything a step carries, identical on every replica. ``ema`` is (params, buffers) or
-    None."""
+    """Everything a step carries: the same values on every replica (the optimizer state may be
+    laid out in slices over them, `twinstep.program.train_program`). ``ema`` is (params,
+    buffers) or None."""
 
     step: jax.Array  # optimizer steps taken (int32 scalar)
     params: dict
@@ -126,12 +128,13 @@ def shard_masks(masks: dict, rep, row_order=None) -> dict:
 
 
 def accumulate(net, recipe, params: dict, buffers: dict, xs, ts, key, ctx: layers.Ctx,
-               row_order=None):
+               row_order=None, slice_dims: dict | None = None):
     """k micro-steps: xs [k, N, S, S, 3], ts [k, N, K] (this replica's rows). Returns (mean
     gradient over the k micro-steps, running statistics after them, mean loss). Each micro-step
     normalises over its own R*N rows and moves the running statistics at 1 - (1 - m)^(1/k).
     row_order [N] (one device only): the rows are the global batch's in this order — the tie's
-    noise floor reorders a batch and its masks alike."""
+    noise floor reorders a batch and its masks alike. slice_dims: return only this replica's
+    slices of the mean gradient (`collectives.Replicas.grad_mean`)."""
     k, n = xs.shape[0], xs.shape[1]
     rep = ctx.replicas
     if row_order is not None and rep.synced:
@@ -157,7 +160,7 @@ def accumulate(net, recipe, params: dict, buffers: dict, xs, ts, key, ctx: layer
     loss_dtype = jax.tree.leaves(params)[0].dtype
     (grads, buffers, total), _ = jax.lax.scan(
         micro, (zeros, buffers, jnp.zeros((), loss_dtype)), (xs, ts, jnp.arange(k)))
-    return jax.tree.map(lambda g: g / k, rep.grad_mean(grads)), buffers, total / k
+    return jax.tree.map(lambda g: g / k, rep.grad_mean(grads, slice_dims)), buffers, total / k
 
 
 def train_step(net, recipe, opt: optax.GradientTransformation, state: TrainState, xs, ts, key,
@@ -167,8 +170,20 @@ def train_step(net, recipe, opt: optax.GradientTransformation, state: TrainState
     Returns (new state, {"loss", "lr"}). row_order: see `accumulate`."""
     grads, buffers, loss = accumulate(net, recipe, state.params, state.buffers, xs, ts, key, ctx,
                                       row_order)
-    updates, opt_state = opt.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    return update(recipe, opt, state, grads, buffers, loss)
+
+
+def update(recipe, opt: optax.GradientTransformation, state: TrainState, grads: dict,
+           buffers: dict, loss, sliced=None, whole=None) -> tuple[TrainState, dict]:
+    """The step after the gradient collective: the clip and the optimizer on the mean gradient
+    ``grads``, then the EMA; ``buffers`` and ``loss`` as `accumulate` returns them. ``sliced`` /
+    ``whole`` (params dict -> params dict, identity by default): where the optimizer's arithmetic
+    runs — on the slices the optimizer state is spread in — and the new parameters, whole again
+    (`twinstep.program.train_program` lays them out; the values are the same)."""
+    sliced, whole = sliced or (lambda t: t), whole or (lambda t: t)
+    params = sliced(state.params)
+    updates, opt_state = opt.update(sliced(grads), state.opt_state, params)
+    params = whole(optax.apply_updates(params, updates))
     step = state.step + 1
     averaged = state.ema
     if averaged is not None:

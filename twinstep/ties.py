@@ -620,11 +620,12 @@ def run_steps_tie(cfg: TieConfig, recipe=None, steps: int = STEPS, net=None, rep
                          MEMORY_ADVICE)
     params, buffers, _, _ = setup(cfg, net)
     state = single.init(params, buffers)
-    replica = replica or python_replica.step
     rng = np.random.default_rng(cfg.seed + 1)
     n, k = cfg.replicas * cfg.batch, recipe.accum
     ref, (nudged, reordered, ours) = state, jax.device_put((state,) * 3, may_alias=False)
-    ours = dp.replicate(ours, cfg.replicas)
+    # a render's step takes its state replicated (its manifest's layout)
+    ours = python_replica.place(ours) if replica is None else dp.replicate(ours, cfg.replicas)
+    replica = replica or python_replica.step
     del state, params, buffers  # each trajectory holds only its latest state
     order, reverse = np.arange(n), np.arange(n)[::-1]
     report = StepsReport(cfg, [])

@@ -5,8 +5,9 @@ A run lives in RUN_DIR: ``config.json`` (the resolved configuration), ``metrics.
 ``tb/`` (a train record every ``log_every`` steps, an eval record at each evaluation:
 `twinstep.runlog`), ``checkpoints/`` (orbax, the last ``keep``). Everything a step depends on —
 parameters, global BN running statistics, optimizer state, EMA, the step count — is in the
-checkpoint, once: every replica holds the same state, so one host copy is written (by process 0)
-and placed on the run's replicas again at restore, whatever their number. The batch, its
+checkpoint, once: one whole host copy (the replicated tensors read from one replica, the
+optimizer state's slices gathered from all) is written by process 0 and laid out on the run's
+replicas again at restore (`program.TrainProgram.place`), whatever their number. The batch, its
 augmentation and the step's key are functions of (seed, step) (`twinstep.data.loader`), so a run
 resumed from any checkpoint continues bit for bit as the uninterrupted run would have, with any
 number of loader workers.
@@ -349,7 +350,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
         target = jax.tree.map(lambda a: np.empty(a.shape, a.dtype), state)
         state = jax.device_put(manager.restore(manager.latest_step(),
                                                args=ocp.args.StandardRestore(target)))
-    state = dp.replicate(state, cfg.replicas)
+    state = prog.place(state)
     start = int(hosts.local_value(state.step))
     stream = loader.train_stream(src, _augment(src, recipe), cfg.seed, start, cfg.steps,
                                  recipe.accum, cfg.rows, get_precision(cfg.precision).dtype,
@@ -402,7 +403,8 @@ def _artifact_program(cfg: TrainConfig, prog, classes: int):
     if manifest["classes"] != classes:
         raise UsageError(f"--artifact {cfg.artifact} was rendered for {manifest['classes']} "
                          f"classes; the data has {classes}")
-    return prog._replace(step=program.artifact_program(exported, manifest, cfg.fast_compile))
+    return prog._replace(step=program.artifact_program(exported, manifest, cfg.fast_compile),
+                         place=lambda state: dp.replicate(state, cfg.replicas))
 
 
 def _loop(cfg, recipe, src, prog, eval_fn, state, manager, stream, log, progress, warn) -> dict:
@@ -444,8 +446,7 @@ def _loop(cfg, recipe, src, prog, eval_fn, state, manager, stream, log, progress
             log.eval(done, last_eval)
         if done % cfg.ckpt_every == 0 or done == cfg.steps:
             # one host copy: orbax took 3.3x as long over R replicated arrays (bench/checkpoint.py)
-            manager.save(done, args=ocp.args.StandardSave(jax.tree.map(hosts.local_value,
-                                                                       state)))
+            manager.save(done, args=ocp.args.StandardSave(jax.tree.map(hosts.whole, state)))
         if progress is not None:
             progress(done, {**record, **({"eval": last_eval} if last_eval else {})})
     return last_eval or evaluate(src, cfg, state, eval_fn)
