@@ -36,8 +36,8 @@ import optax
 KINDS = ("lamb", "adamw", "momentum", "sgd")
 # Kinds that take a norm of every tensor (LAMB's trust ratio ||θ|| / ||r||): with the optimizer
 # state in slices over R replicas each such norm is a scalar collective, two per tensor (466 for
-# MobileNetV4), which across processes cost more than the sliced update saves — these keep the
-# whole optimizer state on every replica (`twinstep.program.train_program`).
+# MobileNetV4) where a whole state needs none — these keep the whole optimizer state on every
+# replica (`twinstep.program.train_program`).
 PER_TENSOR_NORMS = ("lamb",)
 CLIP_NORM = 1.0
 MOMENTUM = 0.9

@@ -26,7 +26,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from twinstep import dp, optim, step
+from twinstep import dp, hosts, optim, step
 from twinstep.collectives import SINGLE
 from twinstep.errors import UsageError
 from twinstep.nets import Net, layers
@@ -110,13 +110,15 @@ def train_program(net: Net, recipe, classes: int, replicas: int = 1,
     ``donate``: the step may reuse the state's buffers (the caller drops the old state).
     ``mesh``: see the module docstring.
 
-    ``shard_optimizer`` (R > 1, not flat, not LAMB: `optim.PER_TENSOR_NORMS`): the optimizer
-    state is spread over the replicas (`dp.slice_spec`: each holds a 1/R slice of every moment
-    tensor), the gradient collective hands each replica only its slices, each replica runs the
-    optimizer on them and the new parameters are all-gathered — R times less optimizer work
-    and state per replica than every replica repeating it (ZeRO stage 1); the parameters,
-    buffers, EMA and step stay replicated. Off, every replica holds the whole state and runs
-    the whole update."""
+    ``shard_optimizer`` (R > 1, not flat, not LAMB: `optim.PER_TENSOR_NORMS`, one process):
+    the optimizer state is spread over the replicas (`dp.slice_spec`: each holds a 1/R slice of
+    every moment tensor), the gradient collective hands each replica only its slices, each
+    replica runs the optimizer on them and the new parameters are all-gathered — R times less
+    optimizer work and state per replica than every replica repeating it (ZeRO stage 1); the
+    parameters, buffers, EMA and step stay replicated. Off, every replica holds the whole
+    state and runs the whole update. Across processes (gloo on CPU) the reduce-scatter and the
+    all-gathers cost more than the all-reduce and the update they replace (bench/RESULTS.md),
+    so a mesh over several processes keeps the whole state."""
     prec = get_precision(precision)
     params, buffers = abstract_params(net, classes, prec.dtype)
     opt = optim.for_recipe(recipe, params)
@@ -126,7 +128,7 @@ def train_program(net: Net, recipe, classes: int, replicas: int = 1,
 
     state = jax.eval_shape(init, params, buffers)
     ctx = context(replicas, prec, control, depthwise_path, dense_path)
-    if (replicas > 1 and shard_optimizer and not flat
+    if (replicas > 1 and shard_optimizer and not flat and hosts.count() == 1
             and recipe.optimizer not in optim.PER_TENSOR_NORMS):
         return _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh or
                                          dp.mesh(replicas), donate, fast_compile)
