@@ -164,9 +164,10 @@ def _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh, donate: 
                               fast_compile: bool) -> TrainProgram:
     """train_program's step with the optimizer state spread over the replicas: the micro-steps
     and the gradient collective per replica (shard_map), then the update on the whole arrays,
-    which XLA partitions as the state's layout says — each replica updates its slices, the
-    norms a clip or LAMB takes are summed over the replicas, the new parameters all-gathered.
-    The gradient collective reduce-scatters: each replica receives only its slices."""
+    which XLA partitions as the state's layout says — each replica updates its slices, a
+    clip's norm is summed over the replicas, the new parameters are all-gathered (per tensor:
+    in one process the packing of a bucket cost more than it saved, bench/RESULTS.md). The
+    gradient collective reduce-scatters: each replica receives only its slices."""
     count = ctx.replicas.count
     r, s = dp.REPLICATED, dp.MICRO_BATCH
 
