@@ -47,14 +47,27 @@ def replicate(tree, count: int):
     """``tree`` replicated on `mesh(count)` (as is at one replica). A replica program's outputs
     live there: called first with arrays placed elsewhere and then with its own outputs, jit
     would compile it twice (for a whole train step, most of a tie's time)."""
+    return place(tree, jax.tree.map(lambda _: REPLICATED, tree), count)
+
+
+def place(tree, specs, count: int):
+    """``tree`` (the same full value everywhere) on `mesh(count)`, each leaf laid out as its
+    PartitionSpec in ``specs`` (a matching tree) says. As is at one replica."""
     if count == 1:
         return tree
-    if hosts.count() > 1:  # each process puts its own devices' copies
-        return hosts.placed(tree, NamedSharding(mesh(count), REPLICATED))
-    # copied, never aliased with ``tree``'s buffers: a program may donate the replicated tree.
+    where = shardings(specs, mesh(count))
+    if hosts.count() > 1:  # each process puts its own devices' shards
+        return hosts.placed(tree, where)
+    # copied, never aliased with ``tree``'s buffers: a program may donate the placed tree.
     # device_put(may_alias=False) still hands the first device the original buffer (jax 0.10.2),
     # so the copy is made first.
-    return jax.device_put(jax.tree.map(jnp.copy, tree), NamedSharding(mesh(count), REPLICATED))
+    return jax.device_put(jax.tree.map(jnp.copy, tree), where)
+
+
+def shardings(specs, on):
+    """A tree of PartitionSpecs as NamedShardings on the mesh ``on``."""
+    return jax.tree.map(lambda sp: NamedSharding(on, sp), specs,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def abstract_mesh(count: int) -> AbstractMesh:
@@ -101,11 +114,8 @@ def laid_out_jit(fn, on, in_specs, out_specs, fast_compile: bool = False, donate
     """`jit` of a global-view ``fn`` (XLA partitions it over the mesh ``on``) whose arguments
     and results are laid out as the PartitionSpec trees ``in_specs`` / ``out_specs`` say; an
     argument laid out otherwise is refused, so callers place it first (`place`)."""
-    def shardings(specs):
-        return jax.tree.map(lambda sp: NamedSharding(on, sp), specs,
-                            is_leaf=lambda x: isinstance(x, P))
-
-    return jax.jit(fn, in_shardings=shardings(in_specs), out_shardings=shardings(out_specs),
+    return jax.jit(fn, in_shardings=shardings(in_specs, on),
+                   out_shardings=shardings(out_specs, on),
                    compiler_options=FAST_COMPILE if fast_compile else None,
                    donate_argnums=donate)
 
@@ -121,19 +131,6 @@ def slice_spec(shape: tuple, count: int) -> P:
     """`slice_dim`'s layout as a PartitionSpec."""
     d = slice_dim(shape, count)
     return REPLICATED if d is None else P(*([None] * d + [AXIS]))
-
-
-def place(tree, specs, count: int):
-    """``tree`` (the same full value everywhere) on `mesh(count)`, each leaf laid out as its
-    PartitionSpec in ``specs`` (a matching tree) says; copied, never aliased (see `replicate`).
-    As is at one replica."""
-    if count == 1:
-        return tree
-    shardings = jax.tree.map(lambda sp: NamedSharding(mesh(count), sp), specs,
-                             is_leaf=lambda x: isinstance(x, P))
-    if hosts.count() > 1:
-        return hosts.placed(tree, shardings)
-    return jax.device_put(jax.tree.map(jnp.copy, tree), shardings)
 
 
 BATCH = P(AXIS)  # sharded along the batch (leading) axis

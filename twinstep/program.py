@@ -176,7 +176,7 @@ def _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh, donate: 
 
     state_specs = jax.tree_util.tree_map_with_path(spec, state)
     grad_specs = {k: dp.slice_spec(p.shape, count) for k, p in state.params.items()}
-    slices = {k: NamedSharding(mesh, sp) for k, sp in grad_specs.items()}
+    slices = dp.shardings(grad_specs, mesh)
     everywhere = NamedSharding(mesh, r)
     # each replica receives only the slices of the mean gradient it updates (a reduce-scatter)
     dims = {k: dp.slice_dim(p.shape, count) for k, p in state.params.items()}
