@@ -11,10 +11,10 @@ output, bitwise, on XLA, and the only form IREE's llvm-cpu backend compiles (ben
 Each kind has two paths, equal up to summation order, and a platform default (bench/ measures
 both): on XLA:CPU the form that runs fast there, elsewhere one XLA convolution.
 - dense: ``conv`` (one XLA convolution per forward / input-VJP / weight-VJP) and ``matmul`` (the
-  k^2 strided windows of the padded input side by side, [rows, k k Ci], times the kernel as a
-  [Co, k k Ci] matrix; the input VJP scatters the windows' cotangents back). XLA:CPU runs its
-  convolutions, the backward ones above all, several times slower than the same products as
-  matrix multiplications.
+  k^2 strided windows of the padded input interleaved, [rows, Ci k k], times the kernel as the
+  [Co, Ci k k] matrix its OIHW layout already is; the input VJP scatters the windows' cotangents
+  back). XLA:CPU runs its convolutions, the backward ones above all, several times slower than
+  the same products as matrix multiplications.
 - depthwise: ``grouped`` (one XLA convolution with ``feature_group_count = C``) and ``shift``
   (k^2 strided slices, multiply-adds); XLA:CPU runs the grouped form pathologically slowly.
 The ``matmul`` and ``shift`` paths multiply-add conv-dtype operands in the base dtype and round
@@ -116,29 +116,30 @@ def conv2d_vjp(res: ConvRes, dy):
     n, h, wd, _ = x.shape
     ho, wo = dy.shape[1:3]
     dyc = round_to(dy, precision.conv_dtype).reshape(-1, co)
-    # dx: each window's cotangent [rows, k k Ci] scattered back onto the positions it read
-    dcols = _dot(dyc, _kernel_matrix(w), ((1,), (0,)), precision).reshape(n, ho, wo, k * k, ci)
-    dxp = sum(scatter_window(dcols[..., a * k + b, :], a, b, h + 2 * p, wd + 2 * p, s)
+    # dx: each window's cotangent [rows, Ci k k] scattered back onto the positions it read
+    dcols = _dot(dyc, _kernel_matrix(w), ((1,), (0,)), precision).reshape(n, ho, wo, ci, k * k)
+    dxp = sum(scatter_window(dcols[..., a * k + b], a, b, h + 2 * p, wd + 2 * p, s)
               for a in range(k) for b in range(k))
     dx = dxp[:, p:p + h, p:p + wd, :]
     cols = _windows(x, k, s)
-    dw = _dot(dyc, cols.reshape(-1, k * k * ci), ((0,), (0,)), precision)
-    dw = jnp.transpose(dw.reshape(co, k, k, ci), (0, 3, 1, 2))
+    dw = _dot(dyc, cols.reshape(-1, ci * k * k), ((0,), (0,)), precision).reshape(co, ci, k, k)
     return _round(dx, precision), (_round(dw, precision) if precision.round_weight_grads else dw)
 
 
 def _windows(x, k: int, stride: int):
-    """[N, Ho, Wo, k k Ci]: the k x k windows of the padded x [N, H, W, Ci], tap (a, b) major."""
+    """[N, Ho, Wo, Ci k k]: the k x k windows of the padded x [N, H, W, Ci], tap (a, b) minor —
+    the order of an OIHW kernel's flattened [Ci, k, k], so that neither the kernel matrix nor
+    the weight gradient is ever transposed (a transposed 3x3 weight gradient is a strided copy
+    of every parameter, per replica: bench/RESULTS.md)."""
     xp = pad_hw(x, conv_padding(k))
     ho, wo = conv_out_size(x.shape[1], k, stride), conv_out_size(x.shape[2], k, stride)
     taps = [window(xp, a, b, ho, wo, stride) for a in range(k) for b in range(k)]
-    return taps[0] if k == 1 else jnp.concatenate(taps, axis=-1)
+    return taps[0] if k == 1 else jnp.stack(taps, axis=-1).reshape(*taps[0].shape[:3], -1)
 
 
 def _kernel_matrix(w):
-    """w [Co, Ci, k, k] as [Co, k k Ci], in the order of `_windows`."""
-    co, ci, k, _ = w.shape
-    return (w.reshape(co, ci) if k == 1 else jnp.transpose(w, (0, 2, 3, 1))).reshape(co, -1)
+    """w [Co, Ci, k, k] as [Co, Ci k k], in the order of `_windows` (a reshape, no copy)."""
+    return w.reshape(w.shape[0], -1)
 
 
 def _dot(lhs, rhs, contract, precision: Precision):
