@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from twinstep import __version__, runtime
+from twinstep import __version__
 from twinstep.errors import BackendError, ClusterError, UsageError
 
 # ----------------------------------------------------------------------------- shared options
@@ -752,7 +752,6 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    runtime.use_xla_flags()  # before any command's first JAX operation
     try:
         if isinstance(getattr(args, "json", None), str):
             from twinstep import files

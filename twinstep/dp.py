@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from twinstep import hosts, runtime
+from twinstep import hosts
 from twinstep.collectives import Replicas
 
 AXIS = "r"
@@ -20,10 +20,8 @@ VIRTUAL_CPU_DEVICES = 8
 
 
 def ensure_devices(count: int = VIRTUAL_CPU_DEVICES) -> None:
-    """Ask for at least ``count`` virtual CPU devices, and XLA for twinstep's flags
-    (`runtime.use_xla_flags`). Call before JAX's first operation; later it is a no-op (the
-    number of devices is then fixed, and `mesh` says if it is too few)."""
-    runtime.use_xla_flags()
+    """Ask for at least ``count`` virtual CPU devices. Call before JAX's first operation; later
+    it is a no-op (the number of devices is then fixed, and `mesh` says if it is too few)."""
     try:
         jax.config.update("jax_num_cpu_devices", max(count, VIRTUAL_CPU_DEVICES))
     except RuntimeError:
