@@ -118,10 +118,11 @@ def test_the_optimizer_state_is_laid_out_in_slices_and_placed_so():
     assert placed["m"].is_deleted() and float(original["m"].sum()) == 28.0
 
 
-@pytest.mark.parametrize("count", [2, 4])
-def test_the_gradient_mean_in_slices_is_the_whole_means_slices(count, rng):
+@pytest.mark.parametrize("count,packed", [(2, True), (4, True), (4, False)])
+def test_the_gradient_mean_in_slices_is_the_whole_means_slices(count, packed, rng):
     """With slice dimensions each replica gets block r of the mean along each tensor's
-    dimension (reduce-scatter), a tensor with none the whole mean; the `sum` control breaks it."""
+    dimension (reduce-scatter), a tensor with none the whole mean — in buckets or tensor by
+    tensor; the `sum` control breaks it."""
     shapes = {"a": (4, 3), "b": (3, 4), "c": (3, 5)}
     grads = {k: jnp.asarray(rng.standard_normal((count, *s)), jnp.float32)
              for k, s in shapes.items()}  # replica r's gradients are grads[k][r]
@@ -131,10 +132,14 @@ def test_the_gradient_mean_in_slices_is_the_whole_means_slices(count, rng):
     def reduced(control):
         rep = dp.replicas(count, control)
         return jax.jit(dp.per_replica(
-            lambda g: rep.grad_mean({k: v[0] for k, v in g.items()}, dims), dp.mesh(count),
-            (dp.BATCH,), {k: dp.slice_spec(s, count) for k, s in shapes.items()}))(grads)
+            lambda g: rep.grad_mean({k: v[0] for k, v in g.items()}, dims, packed),
+            dp.mesh(count),
+            (dp.BATCH,), {k: dp.slice_spec(s, count) for k, s in shapes.items()}))
 
-    out, summed = reduced("none"), reduced("sum")
+    # a and b share one bucket, or go one reduce-scatter each
+    text = reduced("none").lower(grads).as_text()
+    assert text.count("stablehlo.reduce_scatter") == (1 if packed else 2)
+    out, summed = reduced("none")(grads), reduced("sum")(grads)
     for k, g in grads.items():
         np.testing.assert_allclose(out[k], g.mean(0), rtol=1e-6, atol=1e-7)
         assert not np.allclose(summed[k], g.mean(0), rtol=1e-3)

@@ -57,18 +57,22 @@ MICRO_STEP_SITES = ("bn_forward", "bn_backward", "loss")
 
 # Gradients travel in buckets of at most this many bytes (PyTorch DDP's default cap): a few large
 # all-reduces instead of one per tensor, each small enough not to hold a second copy of every
-# gradient at once.
+# gradient at once. Within one process a collective is a copy between the devices' memories and
+# packing a bucket is one more copy, so there the sliced step reduces each tensor alone
+# (``packed=False``, bench/RESULTS.md).
 GRAD_BUCKET_BYTES = 25 * 2**20
 
 
-def grad_buckets(leaves) -> list[list[int]]:
+def grad_buckets(leaves, packed: bool = True) -> list[list[int]]:
     """The gradient buckets: lists of leaf positions, consecutive leaves of one dtype up to
-    `GRAD_BUCKET_BYTES` (a larger leaf is a bucket alone). ``leaves``: anything with ``shape``
-    and ``dtype`` (arrays, ShapeDtypeStructs), in ``jax.tree.leaves`` order."""
+    `GRAD_BUCKET_BYTES` (a larger leaf is a bucket alone; with ``packed=False`` every leaf is).
+    ``leaves``: anything with ``shape`` and ``dtype`` (arrays, ShapeDtypeStructs), in
+    ``jax.tree.leaves`` order."""
     buckets, size, dtype = [], 0, None
+    cap = GRAD_BUCKET_BYTES if packed else 0
     for i, leaf in enumerate(leaves):
         nbytes = math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
-        if not buckets or leaf.dtype != dtype or size + nbytes > GRAD_BUCKET_BYTES:
+        if not buckets or leaf.dtype != dtype or size + nbytes > cap:
             buckets.append([])
             size, dtype = 0, leaf.dtype
         buckets[-1].append(i)
@@ -137,9 +141,10 @@ class Replicas:
             return n + (self.index() == 0)
         return n
 
-    def grad_mean(self, grads, slice_dims=None):
+    def grad_mean(self, grads, slice_dims=None, packed: bool = True):
         """The parameter-gradient collective: every element of ``grads`` (a pytree) reduced by its
-        mean exactly once, the leaves packed into `grad_buckets` (one collective each).
+        mean exactly once, the leaves packed into `grad_buckets` (one collective each; one per
+        leaf with ``packed=False``).
 
         ``slice_dims`` (a tree like ``grads``, an int or None per leaf): a leaf with a dimension
         d comes back as only this replica's slice of it — block r of R along d, a reduce-scatter
@@ -152,7 +157,7 @@ class Replicas:
                 else tree.flatten_up_to(slice_dims))
         out = [None] * len(leaves)
         whole = [i for i, d in enumerate(dims) if d is None]
-        for bucket in grad_buckets([leaves[i] for i in whole]):
+        for bucket in grad_buckets([leaves[i] for i in whole], packed):
             idx = [whole[j] for j in bucket]
             flat = self.mean(jnp.concatenate([leaves[i].reshape(-1) for i in idx]), "grad")
             start = 0
@@ -163,7 +168,7 @@ class Replicas:
         moved = {i: jnp.moveaxis(leaves[i], d, 0) for i, d in enumerate(dims) if d is not None}
         rows = {i: m.reshape(self.count, -1) for i, m in moved.items()}
         split = list(rows)
-        for bucket in grad_buckets([rows[i] for i in split]):
+        for bucket in grad_buckets([rows[i] for i in split], packed):
             idx = [split[j] for j in bucket]
             mine = self._mean_scatter(jnp.concatenate([rows[i] for i in idx], axis=1))
             start = 0

@@ -165,9 +165,9 @@ def _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh, donate: 
     """train_program's step with the optimizer state spread over the replicas: the micro-steps
     and the gradient collective per replica (shard_map), then the update on the whole arrays,
     which XLA partitions as the state's layout says — each replica updates its slices, a
-    clip's norm is summed over the replicas, the new parameters are all-gathered (per tensor:
-    in one process the packing of a bucket cost more than it saved, bench/RESULTS.md). The
-    gradient collective reduce-scatters: each replica receives only its slices."""
+    clip's norm is summed over the replicas, the new parameters are all-gathered. The gradient
+    collective reduce-scatters: each replica receives only its slices. Both per tensor, not in
+    buckets: in one process packing a bucket cost more than it saved (bench/RESULTS.md)."""
     count = ctx.replicas.count
     r, s = dp.REPLICATED, dp.MICRO_BATCH
 
@@ -182,7 +182,7 @@ def _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh, donate: 
     dims = {k: dp.slice_dim(p.shape, count) for k, p in state.params.items()}
     accumulate = dp.per_replica(
         lambda p, b, xs, ts, key: step.accumulate(net, recipe, p, b, xs, ts, key, ctx,
-                                                  slice_dims=dims),
+                                                  slice_dims=dims, packed=False),
         mesh, (r, r, s, s, r), (grad_specs, r, r))
 
     def train(st, xs, ts, key):

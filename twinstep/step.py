@@ -128,13 +128,14 @@ def shard_masks(masks: dict, rep, row_order=None) -> dict:
 
 
 def accumulate(net, recipe, params: dict, buffers: dict, xs, ts, key, ctx: layers.Ctx,
-               row_order=None, slice_dims: dict | None = None):
+               row_order=None, slice_dims: dict | None = None, packed: bool = True):
     """k micro-steps: xs [k, N, S, S, 3], ts [k, N, K] (this replica's rows). Returns (mean
     gradient over the k micro-steps, running statistics after them, mean loss). Each micro-step
     normalises over its own R*N rows and moves the running statistics at 1 - (1 - m)^(1/k).
     row_order [N] (one device only): the rows are the global batch's in this order — the tie's
     noise floor reorders a batch and its masks alike. slice_dims: return only this replica's
-    slices of the mean gradient (`collectives.Replicas.grad_mean`)."""
+    slices of the mean gradient; packed: the gradients in buckets, else a collective per tensor
+    (both as `collectives.Replicas.grad_mean` takes them)."""
     k, n = xs.shape[0], xs.shape[1]
     rep = ctx.replicas
     if row_order is not None and rep.synced:
@@ -160,7 +161,8 @@ def accumulate(net, recipe, params: dict, buffers: dict, xs, ts, key, ctx: layer
     loss_dtype = jax.tree.leaves(params)[0].dtype
     (grads, buffers, total), _ = jax.lax.scan(
         micro, (zeros, buffers, jnp.zeros((), loss_dtype)), (xs, ts, jnp.arange(k)))
-    return jax.tree.map(lambda g: g / k, rep.grad_mean(grads, slice_dims)), buffers, total / k
+    return (jax.tree.map(lambda g: g / k, rep.grad_mean(grads, slice_dims, packed)), buffers,
+            total / k)
 
 
 def train_step(net, recipe, opt: optax.GradientTransformation, state: TrainState, xs, ts, key,
