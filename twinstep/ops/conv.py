@@ -129,8 +129,8 @@ def conv2d_vjp(res: ConvRes, dy):
 def _windows(x, k: int, stride: int):
     """[N, Ho, Wo, Ci k k]: the k x k windows of the padded x [N, H, W, Ci], tap (a, b) minor —
     the order of an OIHW kernel's flattened [Ci, k, k], so that neither the kernel matrix nor
-    the weight gradient is ever transposed (a transposed 3x3 weight gradient is a strided copy
-    of every parameter, per replica: bench/RESULTS.md)."""
+    the weight gradient is ever transposed (each transpose a strided copy of every k x k
+    weight, on every replica, each step: bench/RESULTS.md)."""
     xp = pad_hw(x, conv_padding(k))
     ho, wo = conv_out_size(x.shape[1], k, stride), conv_out_size(x.shape[2], k, stride)
     taps = [window(xp, a, b, ho, wo, stride) for a in range(k) for b in range(k)]
