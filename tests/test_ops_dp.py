@@ -97,6 +97,21 @@ def test_a_replicated_tree_can_be_donated_without_freeing_the_original():
     assert float(original["a"].sum()) == 6.0
 
 
+def test_a_donated_weight_read_after_its_update_is_not_copied():
+    """The backward reads a weight its own update does not wait for; XLA:CPU's default copy
+    insertion then copies the donated weight every step, `dp.jit`'s options do not (the default
+    options are the control: they must copy, or this check could not tell the two apart)."""
+    def step(w, x):
+        y = jnp.tanh(x @ w)
+        return w - 0.1 * (x.T @ y), y @ w.T  # the new weight, and dx: a read of the old one
+
+    w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+    lowered = dp.jit(step, donate=(0,)).lower(w, x)
+    assert lowered.compile().as_text().count("copy(") == 0
+    off = {k: False for k in dp.CPU_OPTIONS}
+    assert lowered.compile(off).as_text().count("copy(") == 1
+
+
 def test_the_optimizer_state_is_laid_out_in_slices_and_placed_so():
     """Each replica holds 1/R of every optimizer-state tensor (its first dimension R divides), the
     rest of the state whole; `place` puts each leaf so, copying (the step donates the state)."""
