@@ -35,18 +35,35 @@ def op_chain(forward, vjp, strides):
     return jax.jit(f)
 
 
-def interleaved_medians(fns: dict, runs: int = 7, warmup: int = 1) -> dict:
-    """Median wall seconds of each callable, run round-robin so machine noise hits all alike."""
+def interleaved_times(fns: dict, runs: int = 7, warmup: int = 1) -> dict:
+    """Wall seconds of each callable's ``runs`` runs, run round-robin so machine noise hits all
+    alike; every other round in reverse order, so that no callable always follows the same one
+    (the first run after another program's pays for its caches)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times = {name: [] for name in fns}
-    for _ in range(runs):
-        for name, fn in fns.items():
+    names = list(fns)
+    for i in range(runs):
+        for name in names if i % 2 == 0 else names[::-1]:
             t0 = time.perf_counter()
-            fn()
+            fns[name]()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def interleaved_medians(fns: dict, runs: int = 7, warmup: int = 1) -> dict:
+    """The median of each callable's `interleaved_times`."""
+    return {name: statistics.median(ts)
+            for name, ts in interleaved_times(fns, runs, warmup).items()}
+
+
+def paired_ratio(times: list, base: list) -> tuple[float, float, float]:
+    """(median, lower quartile, upper quartile) of the ratios of runs timed side by side in one
+    round of `interleaved_times`: a slow spell of the machine cancels in each pair."""
+    q1, median, q3 = statistics.quantiles([t / b for t, b in zip(times, base, strict=True)],
+                                          n=4, method="inclusive")
+    return median, q1, q3
 
 
 def machine() -> str:

@@ -1,18 +1,24 @@
 """XLA:CPU levers on twinstep's whole DP train step, each a variant compiled in the same process
 and timed interleaved with the default: the oneDNN and XNNPACK paths of the installed jaxlib
 (per-compile options, so one run compares them), one thread per device for XLA's kernels
-(``xla_cpu_multi_thread_eigen`` off), state donation, dense convolutions as XLA convolutions
-(the ``conv`` path) instead of the CPU default, every replica holding and updating the whole
-optimizer state instead of a 1/R slice of it; and sync-BN's overhead, the gradient step with
-BN synchronised vs per-replica statistics (the `unsynced` control), with XLA's intra-op threads
-and without.
+(``xla_cpu_multi_thread_eigen`` off), state donation, copy insertion without region analysis
+(XLA's default, which copies donated weights: `twinstep.dp.CPU_OPTIONS`), dense convolutions
+as XLA convolutions (the ``conv`` path) instead of the CPU default, every replica holding and
+updating the whole optimizer state instead of a 1/R slice of it; and sync-BN's overhead, the
+gradient step with BN synchronised vs per-replica statistics (the `unsynced` control), with
+XLA's intra-op threads and without.
 
     python bench/levers.py [--nets resnet50 mnv4] [--res 64] [--replicas 2] [--global-batch 8]
+                           [--runs 7] [--sync-bn-only]
+
+Sync-BN's overhead is the median of the per-round ratios synced / unsynced (rounds alternate
+their order), with its interquartile range: ``--sync-bn-only --runs 21`` measures only that.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -21,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import append_results, block, interleaved_medians  # noqa: E402
+from common import append_results, block, interleaved_times, paired_ratio  # noqa: E402
 
 from twinstep import dp, program, recipes  # noqa: E402
 from twinstep.nets import get_net, layers  # noqa: E402
@@ -29,6 +35,8 @@ from twinstep.nets import get_net, layers  # noqa: E402
 VARIANTS = {  # name: (XLA compiler options, donate the state, dense conv path, shard optimizer)
     "default (donated)": ({}, True, None, True),
     "not donated": ({}, False, None, True),
+    "copy insertion without region analysis": (
+        {k: False for k in dp.CPU_OPTIONS}, True, None, True),
     "xla_cpu_use_onednn": ({"xla_cpu_use_onednn": True}, True, None, True),
     "xla_cpu_use_xnnpack": ({"xla_cpu_use_xnnpack": True}, True, None, True),
     "dense path conv": ({}, True, "conv", True),
@@ -45,7 +53,8 @@ def grad_label(synced: bool, suffix: str = "") -> str:
     return f"grad step, BN {'synced' if synced else 'unsynced'}{suffix}"
 
 
-def variants(name: str, res: int, replicas: int, global_batch: int, classes: int) -> dict:
+def variants(name: str, res: int, replicas: int, global_batch: int, classes: int,
+             sync_bn_only: bool = False) -> dict:
     net = get_net(name)
     recipe = recipes.parse(f"{name}in_adamdp{global_batch // replicas}")
     shapes = net.param_shapes(classes)
@@ -55,7 +64,8 @@ def variants(name: str, res: int, replicas: int, global_batch: int, classes: int
     ts = jax.nn.one_hot(jnp.asarray(rng.integers(0, classes, (1, global_batch))), classes)
     key = jax.random.key(1)
     fns = {}
-    for label, (options, donate, dense_path, shard_optimizer) in VARIANTS.items():
+    for label, (options, donate, dense_path, shard_optimizer) in (
+            {} if sync_bn_only else VARIANTS).items():
         made = program.train_program(net, recipe, classes, replicas, "f32", donate=donate,
                                      dense_path=dense_path, shard_optimizer=shard_optimizer)
         # a copy for each variant: a donated state frees its arrays, the originals included
@@ -92,28 +102,39 @@ def main():
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--classes", type=int, default=1000)
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--sync-bn-only", action="store_true",
+                    help="time only the synced and unsynced gradient steps")
     args = ap.parse_args()
     dp.ensure_devices(args.replicas)
     lines = []
     for name in args.nets:
         for res in args.res:
-            fns = variants(name, res, args.replicas, args.global_batch, args.classes)
-            med = interleaved_medians(fns, runs=args.runs)
-            for label, t in med.items():
-                # a grad-step row against the unsynced one compiled alike: sync-BN's overhead
-                suffix = next((x for x in GRAD_STEP_OPTIONS if x and label.endswith(x)), "")
-                base = med[grad_label(False, suffix) if label.startswith("grad step")
-                           else "default (donated)"]
-                lines.append(f"| {name} | {res}² | {label} | {t * 1e3:.0f} | {t / base:.3f} |")
+            fns = variants(name, res, args.replicas, args.global_batch, args.classes,
+                           args.sync_bn_only)
+            times = interleaved_times(fns, runs=args.runs)
+            for label in times:
+                lines.append(_row(name, res, label, times))
                 print(lines[-1], flush=True)
     append_results(
         f"XLA:CPU levers on the whole train step, R = {args.replicas}, global batch "
         f"{args.global_batch}, f32", "python " + " ".join(sys.argv),
-        "| net | res | variant | ms/step | time / default |\n|---|---|---|---|---|\n"
-        + "\n".join(lines),
-        f"Medians of {args.runs} interleaved runs; time / default < 1: faster (the grad-step "
-        "rows against the unsynced one: sync-BN's overhead).")
+        "| net | res | variant | ms/step | time / default (paired: median [IQR]) |\n"
+        "|---|---|---|---|---|\n" + "\n".join(lines),
+        f"Medians of {args.runs} interleaved runs; time / default < 1: faster. The ratio is the "
+        "median of the rounds' ratios and its interquartile range; the grad-step rows are "
+        "against the unsynced one compiled alike: sync-BN's overhead.")
+
+
+def _row(name: str, res: int, label: str, times: dict) -> str:
+    """A table row: the median, and the paired ratio against the row's baseline."""
+    # a grad-step row against the unsynced one compiled alike: sync-BN's overhead
+    suffix = next((x for x in GRAD_STEP_OPTIONS if x and label.endswith(x)), "")
+    base = (grad_label(False, suffix) if label.startswith("grad step")
+            else "default (donated)")
+    ratio, q1, q3 = paired_ratio(times[label], times[base])
+    return (f"| {name} | {res}² | {label} | {statistics.median(times[label]) * 1e3:.0f} | "
+            f"{ratio:.3f} [{q1:.3f}, {q3:.3f}] |")
 
 
 if __name__ == "__main__":
