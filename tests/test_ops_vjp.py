@@ -9,6 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from twinstep import oracle
+from twinstep.ops import windows
 
 batch = st.integers(1, 4)
 channels = st.integers(1, 8)
@@ -36,6 +37,22 @@ def test_conv2d(n, h, ci, co, k, s, seed, path):
        path=st.sampled_from(["shift", "grouped"]))
 def test_depthwise(n, h, c, k, s, seed, path):
     certify(oracle.conv_case(np.random.default_rng(seed), n, h, c, c, k, s, True, path), seed)
+
+
+@settings(max_examples=30)
+@given(k=st.sampled_from([1, 2, 3, 5]), s=st.sampled_from([1, 2, 3]), h=spatial, seed=seed)
+def test_scatter_windows_is_the_sum_of_its_taps_scatters(k, s, h, seed):
+    """The phase-by-phase transpose of all k x k windows equals, bit for bit, the tap-by-tap
+    sum it replaces (the same products, added in the same order), k < s included."""
+    p, rng = (k - 1) // 2, np.random.default_rng(seed)
+    ho, wo = (h + 2 * p - k) // s + 1, (h + 1 + 2 * p - k) // s + 1
+    assume(ho >= 1)
+    taps = {(a, b): jnp.asarray(rng.standard_normal((2, ho, wo, 3)))
+            for a in range(k) for b in range(k)}
+    hp, wp = h + 2 * p, h + 1 + 2 * p
+    tap_by_tap = sum(windows.scatter_window(t, a, b, hp, wp, s) for (a, b), t in taps.items())
+    by_phase = windows.scatter_windows(lambda a, b: taps[a, b], k, hp, wp, s)
+    np.testing.assert_array_equal(np.asarray(by_phase), np.asarray(tap_by_tap))
 
 
 @given(n=st.integers(2, 4), h=spatial, c=channels, seed=seed)

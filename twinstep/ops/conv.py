@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from twinstep.ops.precision import F32, Precision, round_to
-from twinstep.ops.windows import pad_hw, scatter_window, window
+from twinstep.ops.windows import pad_hw, scatter_windows, window
 
 
 def conv_padding(k: int) -> int:
@@ -118,8 +118,7 @@ def conv2d_vjp(res: ConvRes, dy):
     dyc = round_to(dy, precision.conv_dtype).reshape(-1, co)
     # dx: each window's cotangent [rows, Ci k k] scattered back onto the positions it read
     dcols = _dot(dyc, _kernel_matrix(w), ((1,), (0,)), precision).reshape(n, ho, wo, ci, k * k)
-    dxp = sum(scatter_window(dcols[..., a * k + b], a, b, h + 2 * p, wd + 2 * p, s)
-              for a in range(k) for b in range(k))
+    dxp = scatter_windows(lambda a, b: dcols[..., a * k + b], k, h + 2 * p, wd + 2 * p, s)
     dx = dxp[:, p:p + h, p:p + wd, :]
     cols = _windows(x, k, s)
     dw = _dot(dyc, cols.reshape(-1, ci * k * k), ((0,), (0,)), precision).reshape(co, ci, k, k)
@@ -244,10 +243,9 @@ def depthwise_vjp(res: ConvRes, dy):
     n, h, wd, c = x.shape
     acc = precision.dtype  # as in `depthwise_forward`
     dyc = round_to(dy, precision.conv_dtype).astype(acc)
-    # dx: each tap scatters dy * w[tap] back onto the positions it read (interior padding = s - 1).
-    hp, wp = h + 2 * p, wd + 2 * p
-    dxp = sum(scatter_window(dyc * w[:, 0, a, b].astype(acc), a, b, hp, wp, s)
-              for a in range(k) for b in range(k))
+    # dx: each tap's dy * w[tap] back onto the positions it read
+    wa = w.astype(acc)
+    dxp = scatter_windows(lambda a, b: dyc * wa[:, 0, a, b], k, h + 2 * p, wd + 2 * p, s)
     dx = dxp[:, p:p + h, p:p + wd, :]
     xp = pad_hw(x, p).astype(acc)
     ho, wo = dy.shape[1:3]

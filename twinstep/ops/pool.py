@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from twinstep.ops.windows import pad_hw, scatter_window, window
+from twinstep.ops.windows import pad_hw, scatter_windows, window
 
 POOL_K, POOL_S, POOL_P = 3, 2, 1
 
@@ -42,12 +42,13 @@ def maxpool_vjp(res: MaxPoolRes, dy):
     xp = pad_hw(x, POOL_P, -jnp.inf)
     hp, wp = h + 2 * POOL_P, w + 2 * POOL_P
     taken = jnp.zeros(y.shape, bool)
-    dxp = jnp.zeros(xp.shape, dy.dtype)
+    routed = {}  # tap -> the cotangent of the windows whose first maximum it is
     for a in range(POOL_K):
         for b in range(POOL_K):
             hit = (window(xp, a, b, ho, wo, POOL_S) == y) & ~taken
             taken = taken | hit
-            dxp = dxp + scatter_window(jnp.where(hit, dy, 0), a, b, hp, wp, POOL_S)
+            routed[a, b] = jnp.where(hit, dy, 0)
+    dxp = scatter_windows(lambda a, b: routed[a, b], POOL_K, hp, wp, POOL_S)
     return dxp[:, POOL_P:POOL_P + h, POOL_P:POOL_P + w, :]
 
 

@@ -1,7 +1,10 @@
-"""Strided windows of a padded NHWC tensor and their transpose — shared by the shift-path
-depthwise convolution and the max-pool backward."""
+"""Strided windows of a padded NHWC tensor and their transpose — shared by the matmul-path and
+shift-path convolutions and the max-pool backward."""
 
 from __future__ import annotations
+
+import functools
+import operator
 
 import jax.numpy as jnp
 from jax import lax
@@ -26,3 +29,33 @@ def scatter_window(v, a: int, b: int, hp: int, wp: int, s: int):
     hi_h, hi_w = hp - a - (ho - 1) * s - 1, wp - b - (wo - 1) * s - 1
     return lax.pad(v, jnp.zeros((), v.dtype),
                    ((0, 0, 0), (a, hi_h, s - 1), (b, hi_w, s - 1), (0, 0, 0)))
+
+
+def scatter_windows(tap, k: int, hp: int, wp: int, s: int):
+    """The sum over the k x k taps (a, b) of ``scatter_window(tap(a, b), a, b, hp, wp, s)``:
+    [N, hp, wp, C] from the callable tap(a, b) -> [N, ho, wo, C], one stride phase at a time.
+
+    Padded row y = py + s i is read only by the taps a = py + s u (u = 0, 1, ...), as their row
+    i - u, so each of the s^2 phases is a stride-1 sum of shifted taps, and each position adds
+    its taps in the same order as the sum of scatters does. Scattering tap by tap evaluates all
+    k^2 taps at every padded position, s^2 times as many as there are products
+    (bench/RESULTS.md)."""
+    mh, mw = -(-hp // s), -(-wp // s)  # rows / columns of a phase
+    phases = []
+    for py in range(s):
+        for px in range(s):
+            ku, kv = len(range(py, k, s)), len(range(px, k, s))
+            terms = []
+            for u in range(ku):
+                for v in range(kv):
+                    t = tap(py + s * u, px + s * v)  # at rows u..u+ho-1 of the phase, cut at mh
+                    ho, wo = t.shape[1:3]
+                    terms.append(lax.pad(t, jnp.zeros((), t.dtype), (
+                        (0, 0, 0), (u, mh - ho - u, 0), (v, mw - wo - v, 0), (0, 0, 0))))
+            phases.append(functools.reduce(operator.add, terms) if terms else None)
+    like = next(ph for ph in phases if ph is not None)
+    phases = [jnp.zeros_like(like) if ph is None else ph for ph in phases]  # k < s: no tap
+    n, c = like.shape[0], like.shape[3]
+    # [N, mh, s (py), mw, s (px), C] -> [N, mh s, mw s, C], cropped to the padded grid
+    grid = jnp.stack(phases, axis=3).reshape(n, mh, mw, s, s, c).transpose(0, 1, 3, 2, 4, 5)
+    return grid.reshape(n, mh * s, mw * s, c)[:, :hp, :wp]
