@@ -1,6 +1,10 @@
 """The four data-parallel facts (docs/tie.md), per op kind, under jax.shard_map on R = 1..4 virtual
 CPU devices with deliberately shifted shards — and the negative controls that must break them."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,6 +89,18 @@ def test_naive_variance_exchange_loses_precision(count, rng):
     assert chan < 1e-3
     assert naive > 0.1
     assert naive > 100 * chan
+
+
+@pytest.mark.parametrize("env, want", [({}, 3), ({"JAX_NUM_CPU_DEVICES": "5"}, 5)])
+def test_ensure_devices_asks_for_exactly_the_replicas(env, want):
+    """No more virtual devices than asked for (each one slows the others' programs), unless
+    more were already asked for; in a fresh process, since the count is fixed at JAX's start."""
+    code = ("from twinstep import dp; dp.ensure_devices(3); dp.ensure_devices(2); import jax; "
+            "print(jax.device_count())")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"} | env
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert int(out.stdout.split()[-1]) == want
 
 
 def test_a_replicated_tree_can_be_donated_without_freeing_the_original():

@@ -86,11 +86,12 @@ def _cluster(p) -> None:
                    help="this process's number, 0 .. P-1 (0 writes the logs and reports)")
 
 
-def _join(args) -> None:
-    """Join the runtime the flags (or the environment) name, before JAX's first operation."""
+def _join(args, replicas: int) -> None:
+    """Join the runtime the flags (or the environment) name, before JAX's first operation;
+    ``replicas``: the run's R, all processes together (each asks for its share of devices)."""
     from twinstep import api
 
-    api.join(args.coordinator, args.num_processes, args.process_id, args.replicas or 1)
+    api.join(args.coordinator, args.num_processes, args.process_id, replicas)
 
 
 def _defaults(config_class) -> dict:
@@ -406,7 +407,8 @@ def run_tie(args, parser) -> int:
     elif args.steps is not None and args.recipe is None:
         parser.error("--steps needs --recipe (whole training steps)")
     config = {k: getattr(args, k) for k in _TIE_FIELDS if getattr(args, k) is not None}
-    _join(args)
+    _join(args, api.read_manifest(args.artifact)["replicas"] if args.artifact is not None
+          else config.get("replicas", ties.TieConfig.replicas))
     primary = hosts.is_primary()  # only process 0 reports
     t0 = time.perf_counter()
     with report.status("preparing the tie", quiet=not primary) as say:
@@ -612,7 +614,7 @@ def run_train(args, parser) -> int:
                                             "randaugment", "mixup", "cutmix", "artifact",
                                             "resume", "fast_compile")}
     cfg = trainer.TrainConfig(args.recipe, args.out, **config)  # refuse before JAX starts
-    _join(args)
+    _join(args, cfg.replicas)
     primary = hosts.is_primary()  # process 0 shows the progress and the result
     with report.train_progress(cfg.steps, quiet=not primary) as update:
         try:

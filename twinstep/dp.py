@@ -16,14 +16,16 @@ from twinstep import hosts
 from twinstep.collectives import Replicas
 
 AXIS = "r"
-VIRTUAL_CPU_DEVICES = 8
 
 
-def ensure_devices(count: int = VIRTUAL_CPU_DEVICES) -> None:
-    """Ask for at least ``count`` virtual CPU devices. Call before JAX's first operation; later
-    it is a no-op (the number of devices is then fixed, and `mesh` says if it is too few)."""
+def ensure_devices(count: int) -> None:
+    """Ask for ``count`` virtual CPU devices (or keep a larger number already asked for, e.g. by
+    JAX_NUM_CPU_DEVICES). Call before JAX's first operation; later it is a no-op (the number of
+    devices is then fixed, and `mesh` says if it is too few). Ask for no more than a run uses:
+    every virtual device slows the programs of the others (a 2-replica step took 1.3x the time
+    with 4 devices, 1.8x with 8: bench/RESULTS.md)."""
     try:
-        jax.config.update("jax_num_cpu_devices", max(count, VIRTUAL_CPU_DEVICES))
+        jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices))
     except RuntimeError:
         pass
 
