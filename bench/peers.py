@@ -11,8 +11,9 @@ All three start from the same parameters and data, run AdamW at the recipe's sch
 weight decay, and see the same global batch. Reported: step-time medians of interleaved runs and
 their ratios, compile time (lower + compile), and memory: XLA's planned bytes of the compiled
 program (arguments + outputs + temporaries) for the JAX peers; for torch the peak resident-set
-growth in a fresh process over building the model and two steps. Appends to bench/RESULTS.md
-and draws bench/peers.png.
+growth in a fresh process over building the model and two steps. Each replica count runs in a
+process of its own with exactly R virtual devices. Appends to bench/RESULTS.md and draws
+bench/peers.png.
 
     python bench/peers.py [--nets resnet50 mnv4] [--res 64 128] [--replicas 2 4]
                           [--mnv4-res 64] [--mnv4-replicas 2] [--global-batch 8] [--runs 5]
@@ -22,9 +23,11 @@ and draws bench/peers.png.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +48,7 @@ def _args():
     ap.add_argument("--classes", type=int, default=1000)
     ap.add_argument("--xla-flags", default="", help="extra XLA_FLAGS for every JAX program")
     ap.add_argument("--no-png", action="store_true")
+    ap.add_argument("--rows-to", help=argparse.SUPPRESS)  # one replica count's rows, as JSON
     return ap.parse_args()
 
 
@@ -195,13 +199,10 @@ def _row(row: dict, n: int, made: dict) -> str:
             f"{mib['twinstep']:.0f} / {mib['flax']:.0f} / {mib['torch']:.0f} |")
 
 
-def main(args) -> None:
+def _measure(args, configs) -> tuple[list, list]:
+    """(rows, table lines) of the configs, all at one replica count, in this process."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    dp.ensure_devices(max(args.replicas + args.mnv4_replicas))
     rows, lines = [], []
-    configs = [(name, res, r) for name in args.nets
-               for res in (args.mnv4_res if name == "mnv4" else args.res)
-               for r in (args.mnv4_replicas if name == "mnv4" else args.replicas)]
     for name, res, r in configs:
         made = peers(name, res, r, args.global_batch, args.classes)
         med = interleaved_medians({p: made[p][0] for p in PEERS}, runs=args.runs)
@@ -209,6 +210,38 @@ def main(args) -> None:
         lines.append(_row(rows[-1], args.global_batch // r, made))
         print(lines[-1], flush=True)
         del made
+    return rows, lines
+
+
+def _in_process_per_count(args, configs) -> tuple[list, list]:
+    """Each replica count's configs in a process of its own, with exactly R virtual devices:
+    every device more than a program uses slows it (docs/platform.md)."""
+    rows, lines = [], []
+    for r in dict.fromkeys(c[2] for c in configs):
+        nets = list(dict.fromkeys(c[0] for c in configs if c[2] == r))
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "rows.json"
+            subprocess.run([sys.executable, __file__, "--nets", *nets, "--replicas", str(r),
+                            "--mnv4-replicas", str(r), "--res", *map(str, args.res),
+                            "--mnv4-res", *map(str, args.mnv4_res), "--global-batch",
+                            str(args.global_batch), "--runs", str(args.runs), "--classes",
+                            str(args.classes), "--rows-to", str(out)], check=True)
+            got = json.loads(out.read_text())
+        rows += got["rows"]
+        lines += got["lines"]
+    return rows, lines
+
+
+def main(args) -> None:
+    configs = [(name, res, r) for name in args.nets
+               for res in (args.mnv4_res if name == "mnv4" else args.res)
+               for r in (args.mnv4_replicas if name == "mnv4" else args.replicas)]
+    if args.rows_to:  # a child of `_in_process_per_count`: one replica count
+        dp.ensure_devices(configs[0][2])
+        rows, lines = _measure(args, configs)
+        Path(args.rows_to).write_text(json.dumps({"rows": rows, "lines": lines}))
+        return
+    rows, lines = _in_process_per_count(args, configs)
     table = ("| net | res | R × N | twinstep ms | flax ms | torch ms | flax / twinstep | "
              "torch / twinstep | compile s (twinstep / flax) | MiB (twinstep / flax / torch) |\n"
              "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines))
@@ -218,6 +251,7 @@ def main(args) -> None:
         + (f", XLA_FLAGS={flags}" if flags else ""),
         "python " + " ".join(sys.argv), table,
         f"Medians of {args.runs} interleaved runs; a ratio above 1 means twinstep is faster. "
+        "Each replica count ran in a process of its own with exactly R virtual devices. "
         "Memory: XLA's planned bytes (arguments + outputs + temporaries) of the compiled "
         "program for the JAX peers; for torch the peak resident-set growth in a fresh process "
         "over building the model and two steps (weights, gradients, AdamW's state, "
