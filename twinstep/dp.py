@@ -22,8 +22,7 @@ def ensure_devices(count: int) -> None:
     """Ask for ``count`` virtual CPU devices (or keep a larger number already asked for, e.g. by
     JAX_NUM_CPU_DEVICES). Call before JAX's first operation; later it is a no-op (the number of
     devices is then fixed, and `mesh` says if it is too few). Ask for no more than a run uses:
-    every virtual device slows the programs of the others (a 2-replica step took 1.3x the time
-    with 4 devices, 1.8x with 8: bench/RESULTS.md)."""
+    every virtual device slows the programs of the others (docs/platform.md)."""
     try:
         jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices))
     except RuntimeError:
@@ -86,8 +85,8 @@ def replicas(count: int, control: str = "none") -> Replicas:
 # slower program — for checks whose wall time is compile time (bench/opt_level.py measures both).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 # XLA:CPU's copy insertion without region analysis copies every donated parameter the backward
-# still reads (its update does not depend on that read): 163 of MobileNetV4's 233 tensors, 110
-# of ResNet-50's, on every replica, each step. With it none is copied (bench/RESULTS.md).
+# still reads (its update does not depend on that read): 163 of MobileNetV4's 233, on every
+# replica, each step. With it none is copied (docs/platform.md).
 CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
