@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from twinstep.ops.precision import F32, Precision, round_to
-from twinstep.ops.windows import pad_hw, scatter_windows, window
+from twinstep.ops.windows import pad_hw, scatter_windows, unpadded_tap, window
 
 
 def conv_padding(k: int) -> int:
@@ -247,10 +247,11 @@ def depthwise_vjp(res: ConvRes, dy):
     wa = w.astype(acc)
     dxp = scatter_windows(lambda a, b: dyc * wa[:, 0, a, b], k, h + 2 * p, wd + 2 * p, s)
     dx = dxp[:, p:p + h, p:p + wd, :]
-    xp = pad_hw(x, p).astype(acc)
-    ho, wo = dy.shape[1:3]
-    dw = jnp.stack([jnp.sum(dyc * window(xp, a, b, ho, wo, s), axis=(0, 1, 2))
-                    for a in range(k) for b in range(k)], axis=-1).reshape(c, 1, k, k)
+    # dw: each tap's products over the outputs that read x itself (padding adds zeros)
+    xa = x.astype(acc)
+    taps = [unpadded_tap(xa, dyc, a, b, p, s) for a in range(k) for b in range(k)]
+    dw = jnp.stack([jnp.zeros((c,), acc) if t is None else jnp.sum(t[0] * t[1], axis=(0, 1, 2))
+                    for t in taps], axis=-1).reshape(c, 1, k, k)
     return _round(dx, precision), (_round(dw, precision) if precision.round_weight_grads else dw)
 
 

@@ -22,6 +22,30 @@ def window(xp, a: int, b: int, ho: int, wo: int, s: int):
                      (1, s, s, 1))
 
 
+def _unpadded_outputs(h: int, ho: int, a: int, p: int, s: int) -> tuple[int, int]:
+    """(i0, i1): the outputs i < ho whose tap a reads a row of the input itself, not its
+    padding — padded row a + s i is input row a + s i - p, inside [0, h) for i0 <= i < i1
+    (i1 <= i0: none)."""
+    return max(0, -(-(p - a) // s)), min(ho, (h - 1 + p - a) // s + 1)
+
+
+def unpadded_tap(x, dy, a: int, b: int, p: int, s: int):
+    """(dy [N, i1-i0, j1-j0, C], x's values that tap (a, b) multiplies them with, same shape),
+    or None when the tap reads only padding: `window` of the p-padded x [N, H, W, C] for the
+    outputs dy [N, Ho, Wo, C] with the padding's zero products left out. Two plain slices, where
+    slicing the padded x formed each window in a slow loop over the pad's bounds, with x's
+    producer (BN, activation) recomputed in it (bench/RESULTS.md)."""
+    n, h, w, c = x.shape
+    i0, i1 = _unpadded_outputs(h, dy.shape[1], a, p, s)
+    j0, j1 = _unpadded_outputs(w, dy.shape[2], b, p, s)
+    if i1 <= i0 or j1 <= j0:
+        return None
+    r0, c0 = s * i0 + a - p, s * j0 + b - p
+    xs = lax.slice(x, (0, r0, c0, 0), (n, r0 + s * (i1 - i0 - 1) + 1, c0 + s * (j1 - j0 - 1) + 1,
+                                       c), (1, s, s, 1))
+    return dy[:, i0:i1, j0:j1, :], xs
+
+
 def scatter_window(v, a: int, b: int, hp: int, wp: int, s: int):
     """The transpose of `window`: v [N, ho, wo, C] placed at rows a + s*i, cols b + s*j of an
     hp x wp grid, zeros elsewhere."""
