@@ -8,12 +8,12 @@ twinstep against its two peers, timed in the same run:
              one process (torch's own threads)
 
 All three start from the same parameters and data, run AdamW at the recipe's schedule and
-weight decay, and see the same global batch. Reported: step-time medians of interleaved runs and
-their ratios, compile time (lower + compile), and memory: XLA's planned bytes of the compiled
-program (arguments + outputs + temporaries) for the JAX peers; for torch the peak resident-set
-growth in a fresh process over building the model and two steps. Each replica count runs in a
-process of its own with exactly R virtual devices. Appends to bench/RESULTS.md and draws
-bench/peers.png.
+weight decay, and see the same global batch. Reported: step-time medians of interleaved runs, the
+median of each round's ratio to twinstep (with its interquartile range), compile time (lower +
+compile), and memory: XLA's planned bytes of the compiled program (arguments + outputs +
+temporaries) for the JAX peers; for torch the peak resident-set growth in a fresh process over
+building the model and two steps. Each replica count runs in a process of its own with exactly
+R virtual devices. Appends to bench/RESULTS.md and draws bench/peers.png.
 
     python bench/peers.py [--nets resnet50 mnv4] [--res 64 128] [--replicas 2 4]
                           [--mnv4-res 64] [--mnv4-replicas 2] [--global-batch 8] [--runs 5]
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,7 +63,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import torch  # noqa: E402
-from common import RESULTS, append_results, block, interleaved_medians  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    append_results,
+    block,
+    interleaved_times,
+    paired_ratio,
+)
 
 from twinstep import dp, optim, parity, program, recipes  # noqa: E402
 from twinstep.nets import get_net, layers  # noqa: E402
@@ -179,7 +186,7 @@ def _png(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
     y = np.arange(len(rows))
     for i, peer in enumerate(("flax", "torch")):
-        ax.barh(y + 0.2 * (2 * i - 1), [r[peer] / r["twinstep"] for r in rows], height=0.4,
+        ax.barh(y + 0.2 * (2 * i - 1), [r["ratios"][peer][0] for r in rows], height=0.4,
                 label=f"{peer} time / twinstep time")
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_yticks(y, labels)
@@ -190,11 +197,13 @@ def _png(rows: list[dict], path: Path) -> None:
 
 
 def _row(row: dict, n: int, made: dict) -> str:
-    """A table row: the medians, their ratios, compile seconds and MiB."""
+    """A table row: the medians, the paired ratios [interquartile range], compile seconds and
+    MiB."""
     tw, mib = row["twinstep"], {p: made[p][2] / 2**20 for p in PEERS}
+    ratio = {p: "**{:.2f}** [{:.2f}, {:.2f}]".format(*row["ratios"][p]) for p in row["ratios"]}
     return (f"| {row['net']} | {row['res']}² | {row['replicas']} × {n} | {tw * 1e3:.0f} | "
             f"{row['flax'] * 1e3:.0f} | {row['torch'] * 1e3:.0f} | "
-            f"**{row['flax'] / tw:.2f}** | **{row['torch'] / tw:.2f}** | "
+            f"{ratio['flax']} | {ratio['torch']} | "
             f"{made['twinstep'][1]:.0f} / {made['flax'][1]:.0f} | "
             f"{mib['twinstep']:.0f} / {mib['flax']:.0f} / {mib['torch']:.0f} |")
 
@@ -205,8 +214,10 @@ def _measure(args, configs) -> tuple[list, list]:
     rows, lines = [], []
     for name, res, r in configs:
         made = peers(name, res, r, args.global_batch, args.classes)
-        med = interleaved_medians({p: made[p][0] for p in PEERS}, runs=args.runs)
-        rows.append({"net": name, "res": res, "replicas": r, **med})
+        times = interleaved_times({p: made[p][0] for p in PEERS}, runs=args.runs)
+        med = {p: statistics.median(ts) for p, ts in times.items()}
+        ratios = {p: paired_ratio(times[p], times["twinstep"]) for p in ("flax", "torch")}
+        rows.append({"net": name, "res": res, "replicas": r, **med, "ratios": ratios})
         lines.append(_row(rows[-1], args.global_batch // r, made))
         print(lines[-1], flush=True)
         del made
@@ -250,7 +261,9 @@ def main(args) -> None:
         f"Whole DP train step, three peers, f32, global batch {args.global_batch}"
         + (f", XLA_FLAGS={flags}" if flags else ""),
         "python " + " ".join(sys.argv), table,
-        f"Medians of {args.runs} interleaved runs; a ratio above 1 means twinstep is faster. "
+        f"Medians of {args.runs} interleaved runs; a ratio is the median of the rounds' paired "
+        "ratios (a round runs each peer once) [their interquartile range]; above 1 means "
+        "twinstep is faster. "
         "Each replica count ran in a process of its own with exactly R virtual devices. "
         "Memory: XLA's planned bytes (arguments + outputs + temporaries) of the compiled "
         "program for the JAX peers; for torch the peak resident-set growth in a fresh process "
