@@ -25,7 +25,7 @@ import sys
 
 import jax
 
-from twinstep import hlo, renders
+from twinstep.rendering import render, stablehlo
 
 NAMES = {"resnet50": "resnet50in_adamdp8bf16", "mnv4": "mnv4in_adamdp8bf16"}
 _DTYPE = r"(bf16|f16|f32|f64)\[[\d,]*\]"
@@ -54,16 +54,16 @@ def main(argv=None) -> int:
     p.add_argument("--nets", nargs="+", default=list(NAMES), choices=list(NAMES))
     p.add_argument("--hlo-dir", help="also write each optimized HLO module there")
     args = p.parse_args(argv)
-    if renders.local_platform() not in ("cuda", "rocm"):
+    if render.local_platform() not in ("cuda", "rocm"):
         print(f"no GPU: JAX runs on {jax.default_backend()}", file=sys.stderr)
         return 2
     if args.hlo_dir:
         os.makedirs(args.hlo_dir, exist_ok=True)
     ok = True
     for net in args.nets:
-        cfg = renders.RenderConfig(NAMES[net], 1, res=64, classes=1000, precision="bf16")
-        exported = renders.export_step(cfg).exported
-        expected = len(hlo.convolutions(exported.mlir_module()))
+        cfg = render.RenderConfig(NAMES[net], 1, res=64, classes=1000, precision="bf16")
+        exported = render.export_step(cfg).exported
+        expected = len(stablehlo.convolutions(exported.mlir_module()))
         compiled = jax.jit(exported.call).lower(*exported.in_avals).compile()
         optimized = compiled.as_text()
         if args.hlo_dir:

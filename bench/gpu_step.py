@@ -8,7 +8,8 @@ Synthetic inputs live on the device already: this times the step, not an input p
 state is donated, as the trainer does.
 
 MFU = 2 x (the program's multiply-accumulates: forward, input and weight gradients, counted in
-its StableHLO by `twinstep.hlo.macs`) per step / step time / the device's dense bf16 peak.
+its StableHLO by `twinstep.rendering.stablehlo.macs`) per step / step time / the device's dense
+bf16 peak.
 
     python bench/gpu_step.py [--nets resnet50 mnv4] [--res 224] [--steps 30] [--peak-tflops 989]
 
@@ -30,8 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twinstep import hlo, program, recipes, renders
+from twinstep import program, recipes
 from twinstep.nets import get_net, layers
+from twinstep.rendering import render, stablehlo
 
 # H200 SXM (as H100 SXM): 989.4 dense bf16 TFLOP/s, NVIDIA's datasheet figure without sparsity
 H200_BF16_TFLOPS = 989.4
@@ -52,7 +54,7 @@ def build(net_name: str, batch: int, res: int, classes: int, options: dict | Non
     ts = jax.nn.one_hot(jnp.asarray(rng.integers(0, classes, (1, batch))), classes)
     key = jax.random.key(1)
     lowered = made.step.lower(state, xs, ts, key)
-    macs = hlo.macs(lowered.as_text())
+    macs = stablehlo.macs(lowered.as_text())
     return lowered.compile(compiler_options=options), (state, xs, ts, key), macs
 
 
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
                    help="the device's dense bf16 peak, for MFU (default: H200's)")
     p.add_argument("--json", type=Path, default=Path(__file__).with_name("gpu_step.json"))
     args = p.parse_args(argv)
-    if renders.local_platform() not in ("cuda", "rocm"):
+    if render.local_platform() not in ("cuda", "rocm"):
         print(f"no GPU: JAX runs on {jax.default_backend()}", file=sys.stderr)
         return 2
     rows = []

@@ -42,7 +42,7 @@ def bitwise(a: str, b: str) -> tuple[int, int]:
     import numpy as np
     from jax import tree
 
-    from twinstep.trainer import load_state
+    from twinstep.training.checkpoint import load_state
 
     leaves = [tree.leaves(load_state(d)) for d in (a, b)]
     return sum(np.array_equal(x, y) for x, y in zip(*leaves, strict=True)), len(leaves[0])

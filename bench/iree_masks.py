@@ -24,7 +24,7 @@ import sys
 import jax, jax.numpy as jnp, numpy as np
 x64 = sys.argv[1] == "x64"
 jax.config.update("jax_enable_x64", x64)
-from twinstep import iree_backend
+from twinstep.rendering import iree
 from twinstep.errors import BackendError
 dtype = jnp.float64 if x64 else jnp.float32
 
@@ -39,7 +39,7 @@ def f(xs, key_data):
 
 args = (np.ones((2, 8, 4), dtype), np.asarray(jax.random.key_data(jax.random.key(1))))
 exported = jax.export.export(jax.jit(f))(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args))
-call = iree_backend.load(iree_backend.compile_mlir(exported.mlir_module(), "f64" if x64 else "f32"))
+call = iree.load(iree.compile_mlir(exported.mlir_module(), "f64" if x64 else "f32"))
 try:
     _, bits = call(*args)
 except BackendError as e:

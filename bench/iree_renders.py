@@ -2,7 +2,7 @@
 --all') at R = 1, 32², K = 1000, its default precision, in the form 'render --target iree'
 exports (grouped depthwise convolutions), compiled by IREE's llvm-cpu backend, then one step run
 by IREE's runtime from a fresh state. The recipes 'render --target iree' refuses (masks in
-k >= 2 micro-steps: `twinstep.renders.iree_refusal`) are compiled and run too, to show why.
+k >= 2 micro-steps: `twinstep.rendering.render.iree_refusal`) are compiled and run too, to show why.
 
     python bench/iree_renders.py [--only NAME ...]
 """
@@ -21,31 +21,31 @@ import numpy as np  # noqa: E402
 from common import append_results  # noqa: E402
 from iree_step import CLASSES, inputs  # noqa: E402
 
-from twinstep import iree_backend, renders  # noqa: E402
 from twinstep.errors import BackendError  # noqa: E402
+from twinstep.rendering import iree, render  # noqa: E402
 
 RES = 32
 
 
 def one(name: str) -> str:
     """A table row: the render's precision, IREE's compile seconds, and its first step."""
-    refusal = renders.iree_refusal(renders.RenderConfig(name, 1, res=RES).recipe)
-    real, renders.iree_refusal = renders.iree_refusal, lambda recipe: None
+    refusal = render.iree_refusal(render.RenderConfig(name, 1, res=RES).recipe)
+    real, render.iree_refusal = render.iree_refusal, lambda recipe: None
     try:  # compile the refused ones too
-        cfg = renders.RenderConfig(name, 1, res=RES, classes=CLASSES, target="iree")
+        cfg = render.RenderConfig(name, 1, res=RES, classes=CLASSES, target="iree")
     finally:
-        renders.iree_refusal = real
-    e = renders.export_step(cfg).exported
+        render.iree_refusal = real
+    e = render.export_step(cfg).exported
     row = f"| `{name}` | {cfg.precision} | {'refused' if refusal else 'rendered'} |"
     t0 = time.perf_counter()
     try:
-        vmfb = iree_backend.compile_mlir(e.mlir_module(), cfg.precision)
+        vmfb = iree.compile_mlir(e.mlir_module(), cfg.precision)
     except BackendError as err:
         return f"{row} fails: {str(err)[:120]} | |"
     row += f" {time.perf_counter() - t0:.0f} |"
     flat = inputs(cfg.recipe, RES, cfg.precision)
     try:
-        out = iree_backend.load(vmfb)(*(np.asarray(flat[i]) for i in
+        out = iree.load(vmfb)(*(np.asarray(flat[i]) for i in
                                          sorted(e.module_kept_var_idx)))
     except BackendError as err:
         return f"{row} fails: {str(err).split('validation.c')[-1][:90]} |"
@@ -58,7 +58,7 @@ def main():
     ap.add_argument("--only", nargs="*", help="these names instead of all")
     args = ap.parse_args()
     rows = []
-    for name in args.only or renders.all_names():
+    for name in args.only or render.all_names():
         rows.append(one(name))
         print(rows[-1], flush=True)
     append_results(
@@ -66,8 +66,8 @@ def main():
         "python " + " ".join(sys.argv),
         "| name | precision | `--target iree` | compile s | first step on IREE's runtime |\n"
         "|---|---|---|---|---|\n" + "\n".join(rows),
-        f"IREE {iree_backend.version()}; the depthwise convolutions grouped, as 'render --target "
-        f"iree' exports them; flags as `twinstep.iree_backend.flags` gives them per precision.")
+        f"IREE {iree.version()}; the depthwise convolutions grouped, as 'render --target "
+        f"iree' exports them; flags as `twinstep.rendering.iree.flags` gives them per precision.")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from common import append_results, block, interleaved_medians  # noqa: E402
 
-from twinstep import iree_backend, program, recipes, renders, synthetic  # noqa: E402
+from twinstep import program, recipes  # noqa: E402
+from twinstep.checking import inputs as tie_inputs  # noqa: E402
 from twinstep.nets import get_net, layers  # noqa: E402
 from twinstep.ops.precision import get_precision  # noqa: E402
+from twinstep.rendering import iree, render  # noqa: E402
 
 CLASSES = 1000
 
@@ -36,7 +38,7 @@ def inputs(recipe, res: int, precision: str = "f32") -> list:
     params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns())
     made = program.train_program(net, recipe, CLASSES, 1, precision)
     state = made.init(params, layers.init_buffers(shapes))
-    xs, ts = synthetic.batch(np.random.default_rng(0), (recipe.accum, recipe.batch), res,
+    xs, ts = tie_inputs.batch(np.random.default_rng(0), (recipe.accum, recipe.batch), res,
                              CLASSES, 1, False, get_precision(precision).dtype)
     return [*jax.tree.leaves(state), xs, ts, jax.random.key_data(jax.random.key(1))]
 
@@ -49,9 +51,9 @@ def main():
     args = ap.parse_args()
     import iree.runtime as rt
 
-    exports = {t: renders.export_step(renders.RenderConfig(
+    exports = {t: render.export_step(render.RenderConfig(
         args.recipe, 1, res=args.res, classes=CLASSES, precision="f32", target=t)).exported
-        for t in renders.TARGETS}
+        for t in render.TARGETS}
     flat = inputs(recipes.parse(args.recipe), args.res)
     assert [(a.shape, a.dtype) for a in flat] == [(a.shape, a.dtype)
                                                   for a in exports["xla"].in_avals]
@@ -64,11 +66,11 @@ def main():
         compile_s[label] = time.perf_counter() - t0
         fns[label] = lambda c=compiled: block(c(*flat))
         losses[label] = float(compiled(*flat)[-2])
-    config = rt.Config(iree_backend.DRIVER)
+    config = rt.Config(iree.DRIVER)
     for label, e in [("IREE llvm-cpu", exports["iree"])] + (
             [] if same else [("IREE llvm-cpu, XLA's form", exports["xla"])]):
         t0 = time.perf_counter()
-        vmfb = iree_backend.compile_mlir(e.mlir_module(), "f32")
+        vmfb = iree.compile_mlir(e.mlir_module(), "f32")
         compile_s[label] = time.perf_counter() - t0
         module = rt.load_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb), config)
         on_iree = [rt.asdevicearray(config.device, np.asarray(flat[i]))
@@ -85,7 +87,7 @@ def main():
         "| compiler | compile s | step median ms | / XLA | loss |\n|---|---|---|---|---|\n"
         + "\n".join(rows),
         f"Step medians of {args.runs} interleaved runs, inputs already on each device; IREE "
-        f"{iree_backend.version()} with {' '.join(iree_backend.flags('f32'))}; XLA at its "
+        f"{iree.version()} with {' '.join(iree.flags('f32'))}; XLA at its "
         f"default optimization level.")
 
 

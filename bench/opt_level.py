@@ -27,7 +27,8 @@ dp.ensure_devices(4)  # train_programs builds the R = 4 replica program too (not
 import numpy as np  # noqa: E402
 from common import append_results, block, interleaved_medians  # noqa: E402
 
-from twinstep import recipes, ties  # noqa: E402
+from twinstep import recipes  # noqa: E402
+from twinstep.checking import tie, trajectory  # noqa: E402
 from twinstep.nets import NETS, get_net  # noqa: E402
 
 RECIPES = {"resnet50": "resnet50in_adamdp2", "mnv4": "mnv4in_adamdp2"}
@@ -36,17 +37,17 @@ RECIPES = {"resnet50": "resnet50in_adamdp2", "mnv4": "mnv4in_adamdp2"}
 def programs(name: str):
     """{level: (compile s, callable)} of the single-device train step at 4 x 2 rows."""
     r = recipes.parse(RECIPES[name])
-    cfg = ties.TieConfig(net=name, replicas=4, batch=r.batch, recipe=RECIPES[name])
+    cfg = tie.TieConfig(net=name, replicas=4, batch=r.batch, recipe=RECIPES[name])
     net = get_net(name)
-    params, buffers, _, _ = ties.setup(cfg, net)
+    params, buffers, _, _ = tie.setup(cfg, net)
     n = cfg.replicas * cfg.batch
     rng = np.random.default_rng(0)
     xs = rng.standard_normal((1, n, cfg.res, cfg.res, 3))
     ts = np.eye(cfg.classes)[rng.integers(0, cfg.classes, (1, n))]
     out = {}
     for level, fast in (("-O0", True), ("default", False)):
-        single, _ = ties.train_programs(net, r, dataclasses.replace(cfg, fast_compile=fast),
-                                       ties.tie_precision("f64"))
+        single, _ = trajectory.train_programs(net, r, dataclasses.replace(cfg, fast_compile=fast),
+                                       tie.tie_precision("f64"))
         args = (single.init(params, buffers), xs, ts, jax.random.key(0), np.arange(n))
         lowered = single.step.lower(*args)
         t0 = time.perf_counter()

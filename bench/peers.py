@@ -71,7 +71,8 @@ from common import (  # noqa: E402
     paired_ratio,
 )
 
-from twinstep import dp, optim, parity, program, recipes  # noqa: E402
+from twinstep import dp, optim, program, recipes  # noqa: E402
+from twinstep.checking import parity  # noqa: E402
 from twinstep.nets import get_net, layers  # noqa: E402
 
 PEERS = ("twinstep", "flax", "torch")

@@ -19,7 +19,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import append_results, block, interleaved_medians  # noqa: E402
 
-from twinstep import parity, program  # noqa: E402
+from twinstep import program  # noqa: E402
+from twinstep.checking import parity
 from twinstep.nets import NETS, layers  # noqa: E402
 from twinstep.ops import loss  # noqa: E402
 

@@ -28,7 +28,9 @@ from common import append_results  # noqa: E402
 
 
 def loop_overhead(args) -> str:
-    from twinstep import api, dp, program, trainer
+    from twinstep import api, dp, program
+    from twinstep.training import state_dict
+    from twinstep.training.config import TrainConfig
 
     dp.ensure_devices(args.replicas)
     made: dict = {}
@@ -55,13 +57,13 @@ def loop_overhead(args) -> str:
                       progress=lambda step, m, s=stamps: s.append(time.perf_counter()), **cfg)
             # the steps between the first and the last (which evaluates and checkpoints)
             gaps = np.diff(stamps[:-1])
-            tc = trainer.TrainConfig(args.recipe, os.path.join(tmp, "bare"), **cfg)
+            tc = TrainConfig(args.recipe, os.path.join(tmp, "bare"), **cfg)
             prog, recipe = made["train"], tc.parsed_recipe()
             from twinstep.data import loader
             from twinstep.nets import get_net
 
             src = loader.source("digits", args.res)
-            state = prog.place(trainer.init_state(tc, get_net(recipe.net), prog, src.classes))
+            state = prog.place(state_dict.initial_state(tc, get_net(recipe.net), prog, src.classes))
             xs, ts, _ = loader.train_batch(src, loader.Augment(), 0, 0, recipe.accum, tc.rows,
                                            np.float32)
             import jax

@@ -15,7 +15,8 @@ import jax
 
 jax.config.update("jax_enable_x64", True)
 
-from twinstep import dp, ties  # noqa: E402
+from twinstep import dp  # noqa: E402
+from twinstep.checking import tie  # noqa: E402
 
 dp.ensure_devices(8)
 
@@ -77,7 +78,7 @@ def _release_compiled_programs():
     persistent compilation cache that `make test` sets up, a program compiled again is loaded.)"""
     yield
     jax.clear_caches()
-    ties.single_side.cache_clear()  # a tie's inputs and single-device results
+    tie.single_side.cache_clear()  # a tie's inputs and single-device results
     gc.collect()
     _LIBC.malloc_trim(0)  # hand the freed heap back: a worker's RSS would stay at its peak
 

@@ -1,4 +1,4 @@
-"""Many processes (`twinstep.hosts`, `twinstep launch`): real processes joined by JAX's
+"""Many processes (`twinstep.processes.cluster`, `twinstep launch`): real processes joined by JAX's
 distributed runtime, their CPU collectives over gloo — P = 2 processes x 2 replicas each.
 
 The claims: a run over two processes trains what one process trains with the same four replicas
@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from conftest import FAST_COMPILE_NETS
 
-from twinstep import UsageError, hosts, launch
-from twinstep.trainer import load_state
+from twinstep import UsageError
+from twinstep.processes import cluster, launcher
+from twinstep.training.checkpoint import load_state
 
 STEPS = 2
 # 2 processes x 2 replicas x N = 2: the global batch of test_train's R = 2 x 4 and R = 1 x 8
@@ -54,14 +55,14 @@ def test_the_flags_go_together_and_in_range():
                            (("node0:99999", 2, 0), "HOST:PORT"), (("h:1", 0, 0), ">= 1"),
                            (("h:1", 2, 2), r"\[0, 2\)")):
         with pytest.raises(UsageError, match=message):
-            hosts.check_flags(*flags)
-    hosts.check_flags("node0:12355", 2, 1)
-    hosts.check_flags(None, None, None)
+            cluster.check_flags(*flags)
+    cluster.check_flags("node0:12355", 2, 1)
+    cluster.check_flags(None, None, None)
     with pytest.raises(UsageError, match="train, tie"):
-        launch.commands(2, ["render", "x"], 1)
+        launcher.commands(2, ["render", "x"], 1)
     with pytest.raises(UsageError, match="--process-id itself"):
-        launch.commands(2, ["train", "x", "--process-id", "1"], 1)
-    (argv, env), _ = launch.commands(2, ["tie", "mnv4"], 4242, gpus_per_process=2)
+        launcher.commands(2, ["train", "x", "--process-id", "1"], 1)
+    (argv, env), _ = launcher.commands(2, ["tie", "mnv4"], 4242, gpus_per_process=2)
     assert argv[-6:] == ["--coordinator", "localhost:4242", "--num-processes", "2",
                          "--process-id", "0"]
     assert env["JAX_LOCAL_DEVICE_IDS"] == "0,1"
@@ -105,7 +106,7 @@ def _resumed(killed, tmp_path, recipe: str, replicas: int) -> dict:
 
 
 def _max_err(a: dict, b: dict) -> float:
-    from twinstep.compare import grad_err
+    from twinstep.checking.bounds import grad_err
 
     errors = [grad_err(k, a["params"], b["params"]) for k in b["params"]]
     assert len(errors) == 233

@@ -1,4 +1,4 @@
-"""IREE (twinstep.iree_backend; 'render --target iree'; 'tie --artifact NAME.vmfb'): a render's
+"""IREE (twinstep.rendering.iree; 'render --target iree'; 'tie --artifact NAME.vmfb'): a render's
 StableHLO compiled by IREE's llvm-cpu backend, run by IREE's runtime, tied to the single-device
 Python step. A whole net takes IREE a minute (ResNet-50) to several (MNv4) to compile, so the
 whole-step tie runs in make test-all; make test checks the backend on a small f64 program and
@@ -13,8 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from twinstep import cli, iree_backend, program, renders, runtime, ties
+from twinstep import cli
+from twinstep.checking import tie, trajectory
 from twinstep.errors import BackendError
+from twinstep.processes import settings
+from twinstep.rendering import iree, reader, render
 
 # R = 1 with N = 8: the single device's BNs reduce 8 rows, as the XLA artifact tie's R = 4 x 2
 # does (at N = 2 layer4's 1x1 BNs leave the f64 noise floor above the inconclusive bound).
@@ -32,7 +35,7 @@ def _f64_program() -> str:
     def f(x, w):
         return jnp.cos(x) @ w + x.sum() / 3
 
-    with runtime.jax_settings(jax_enable_x64=True):
+    with settings.jax_settings(jax_enable_x64=True):
         spec = jax.ShapeDtypeStruct((4, 5), jnp.float64), jax.ShapeDtypeStruct((5, 3),
                                                                               jnp.float64)
         return jax.export.export(jax.jit(f))(*spec).mlir_module()
@@ -49,11 +52,11 @@ def test_an_f64_program_runs_in_f64_on_iree(tmp_path, monkeypatch):
     want = np.cos(x) @ w + x.sum() / 3
     mlir = _f64_program()
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    (got,) = iree_backend.load(iree_backend.compile_mlir(mlir, "f64"))(x, w)
+    (got,) = iree.load(iree.compile_mlir(mlir, "f64"))(x, w)
     assert not list(tmp_path.iterdir())  # IREE's iree_dylib_* folder not left behind
     assert got.dtype == np.float64
     assert np.abs(got - want).max() <= 1e-14 * np.abs(want).max()
-    demoted = iree_backend.load(iree_backend.compile_mlir(mlir, "f32"))
+    demoted = iree.load(iree.compile_mlir(mlir, "f32"))
     with pytest.raises(BackendError, match="element type mismatch"):
         demoted(x, w)  # IREE checks the declared types: no silent cast
     (low,) = demoted(x.astype(np.float32), w.astype(np.float32))
@@ -87,15 +90,15 @@ def test_iree_refusals(tmp_path, capsys, monkeypatch):
 def test_a_vmfb_outside_its_manifest_is_refused(tmp_path, capsys):
     """A NAME.vmfb dropped beside an XLA render (its manifest holds no IREE build) or changed
     after its render: the sha256 check refuses it (exit 2) before IREE loads anything."""
-    r = renders.render(renders.RenderConfig(RECIPE, 1, precision="f64", **SMALL))
-    paths = renders.write(r, str(tmp_path))
+    r = render.make(render.RenderConfig(RECIPE, 1, precision="f64", **SMALL))
+    paths = render.write(r, str(tmp_path))
     vmfb = paths[".jaxexport"][:-len(".jaxexport")] + ".vmfb"
     with open(vmfb, "wb") as f:
         f.write(b"not IREE's")
     assert cli.main(["tie", "--artifact", vmfb]) == 2
     assert "sha256 differs" in capsys.readouterr().err
     manifest = json.loads(open(paths[".json"], "rb").read())
-    assert "iree" not in manifest and renders.load(paths[".jaxexport"])  # the set itself loads
+    assert "iree" not in manifest and reader.load(paths[".jaxexport"])  # the set itself loads
 
 
 @pytest.mark.all
@@ -115,11 +118,11 @@ def test_the_iree_render_ties_and_its_f32_demotion_does_not(tmp_path):
                      "--json", str(report)]) == 0
     rep = json.loads(report.read_text())
     assert rep["ok"] and rep["artifact"] == vmfb_path and rep["steps"][1]["loss"]["ok"]
-    vmfb, exported, manifest = renders.load_iree(vmfb_path)
-    assert manifest["iree"]["flags"] == iree_backend.flags("f64")
+    vmfb, exported, manifest = reader.load_iree(vmfb_path)
+    assert manifest["iree"]["flags"] == iree.flags("f64")
     shutil.rmtree(out)
 
-    demoted = iree_backend.load(iree_backend.compile_mlir(
+    demoted = iree.load(iree.compile_mlir(
         exported.mlir_module(), "f32"))
     kept = sorted(exported.module_kept_var_idx)
 
@@ -129,10 +132,10 @@ def test_the_iree_render_ties_and_its_f32_demotion_does_not(tmp_path):
         return [jnp.asarray(o.astype(np.float64) if o.dtype == np.float32 else o)
                 for o in demoted(*low)]
 
-    cfg = ties.TieConfig(manifest["net"], 1, recipe=RECIPE, **SMALL)
-    with runtime.jax_settings(jax_enable_x64=True):
-        bad = ties.run_steps_tie(cfg, steps=1,
-                                 replica=program._flat_step(manifest["inputs"], call))
+    cfg = tie.TieConfig(manifest["net"], 1, recipe=RECIPE, **SMALL)
+    with settings.jax_settings(jax_enable_x64=True):
+        bad = trajectory.run_steps_tie(cfg, steps=1,
+                                 replica=reader._flat_step(manifest["inputs"], call))
     assert bad.status == "NOT tied", bad.verdict()
 
 

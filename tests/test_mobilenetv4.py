@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from oracle_libs import timm, torch
 
-from twinstep import parity
+from twinstep.checking import parity
 from twinstep.dp import FAST_COMPILE
 from twinstep.nets import layers
 from twinstep.nets import mobilenetv4 as net

@@ -2,17 +2,26 @@
 their forward takes, and ResNet-50's stage table gives timm's 16 bottlenecks. No compiles."""
 
 import inspect
+import pathlib
 import types
 
 import pytest
 
+from twinstep import nets
 from twinstep.nets import NETS, Net, get_net, mobilenetv4, resnet50
 from twinstep.ops import loss
 
-NET_MODULES = [resnet50, mobilenetv4]
-MEMBERS = ("NAME", "TIMM_NAME", "INPUT_MULTIPLE", "FEATURES", "DROP_PATH_SITES", "MASKS",
-           "param_shapes", "zero_init_bns", "branch_end_bns", "drop_path_rates", "forward",
-           "backward")
+NET_MODULES = list(NETS.values())  # the registry is the list of nets
+# the protocol's members, read off the protocol itself: its constants and its functions
+MEMBERS = (*Net.__annotations__, *(name for name, member in vars(Net).items()
+                                   if inspect.isfunction(member) and not name.startswith("_")))
+
+
+def test_every_net_file_is_registered():
+    """A net file in twinstep/nets/ that NETS does not list would be a net nothing can use."""
+    files = {p.stem for p in pathlib.Path(nets.__file__).parent.glob("*.py")}
+    assert files - {"__init__", "layers"} == {m.__name__.rsplit(".", 1)[1] for m in NET_MODULES}
+    assert {"TRAIN_RES", "DROP_PATH_RATE", "forward", "backward"} <= set(MEMBERS)
 
 
 @pytest.mark.parametrize("net", NET_MODULES, ids=lambda m: m.NAME)

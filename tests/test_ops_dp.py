@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from twinstep import dp, oracle, program, recipes
+from twinstep import dp, program, recipes
+from twinstep.checking import oracle
 from twinstep.nets import get_net
 
 REPLICAS = [1, 2, 3, 4]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from twinstep import oracle
+from twinstep.checking import oracle
 from twinstep.ops import windows
 
 batch = st.integers(1, 4)

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from twinstep import recipes
 from twinstep.cli import main
+from twinstep.cli.recipe import describe
+from twinstep.nets import NETS
 from twinstep.recipes import PRESETS, REFERENCE_NAMES, Recipe, RecipeError, parse
 
 # name -> the fields it must decode to (the rest: the dataclass defaults)
@@ -82,7 +84,7 @@ decimals = st.one_of(st.none(), st.sampled_from([0.0, 0.05, 0.1, 1e-4]),
 
 
 @settings(max_examples=300)
-@given(net=st.sampled_from(sorted(recipes.NET_RES)), res=st.one_of(st.none(), st.integers(1, 999)),
+@given(net=st.sampled_from(sorted(NETS)), res=st.one_of(st.none(), st.integers(1, 999)),
        optimizer=st.sampled_from(sorted(recipes.OPTIMIZERS)), accum=st.integers(1, 64),
        batch=st.integers(1, 4096), flags=st.lists(st.booleans(), min_size=9, max_size=9),
        label_smoothing=decimals,
@@ -183,11 +185,11 @@ def test_presets():
 
 
 def test_describe_covers_every_field():
-    rows = dict(recipes.describe(PRESETS["rsb-a3"], replicas=8))
+    rows = dict(describe(PRESETS["rsb-a3"], replicas=8))
     assert {f.name for f in dataclasses.fields(Recipe)} <= set(rows)
     assert rows["name"] == "resnet50in160_lambdp256wxbcewd002"
     assert rows["effective batch"].endswith("= 2048")
-    assert "effective batch" not in dict(recipes.describe(PRESETS["rsb-a3"], None))
+    assert "effective batch" not in dict(describe(PRESETS["rsb-a3"], None))
 
 
 def test_cli_table(capsys):

@@ -1,4 +1,4 @@
-"""Renders (twinstep.renders): the exported whole train step and what its manifest claims.
+"""Renders (twinstep.rendering.render): the exported whole train step and what its manifest claims.
 
 The StableHLO checks read the text the artifact was serialized from. On this CPU-only machine
 bf16 is checked in the StableHLO, where the policy is visible: XLA:CPU upcasts bf16
@@ -18,10 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from twinstep import cli, dp, hlo, optim, program, renders, step, ties
+from twinstep import cli, dp, optim, step
+from twinstep.checking import bounds, tie, trajectory
 from twinstep.collectives import GRAD_BUCKET_BYTES, MICRO_STEP_SITES, SITES, grad_buckets
+from twinstep.errors import RenderError
 from twinstep.nets import get_net
 from twinstep.recipes import parse
+from twinstep.rendering import manifest, reader, render, stablehlo
+from twinstep.training.checkpoint import load_state
 
 # the issue's example: AdamW, N = 2 per replica, on R = 4 at 32², K = 10
 EXAMPLE = "resnet50in_adamdp2"
@@ -38,18 +42,18 @@ ON_EXAMPLE = pytest.mark.xdist_group("example_f64")
 def example_f64(tmp_path_factory):
     """The example rendered in f64 for R = 4 and written out."""
     out = tmp_path_factory.mktemp("renders")
-    r = renders.render(renders.RenderConfig(EXAMPLE, 4, precision="f64", **SMALL))
-    return r, renders.write(r, str(out))
+    r = render.make(render.RenderConfig(EXAMPLE, 4, precision="f64", **SMALL))
+    return r, render.write(r, str(out))
 
 
 @ON_EXAMPLE
 @pytest.mark.slow
 def test_rendering_twice_is_byte_identical(example_f64, tmp_path):
     first, paths = example_f64
-    again = renders.render(first.config)
+    again = render.make(first.config)
     assert again.mlir == first.mlir and again.serialized == first.serialized
-    again_paths = renders.write(again, str(tmp_path))
-    for suffix in renders.SUFFIXES:
+    again_paths = render.write(again, str(tmp_path))
+    for suffix in render.SUFFIXES:
         with open(paths[suffix], "rb") as a, open(again_paths[suffix], "rb") as b:
             assert a.read() == b.read(), suffix
     # no file paths in the locations: the text depends on the program, not on the checkout
@@ -58,10 +62,10 @@ def test_rendering_twice_is_byte_identical(example_f64, tmp_path):
 
 @pytest.mark.slow
 def test_one_replica_render_is_the_single_device_render():
-    cfg = renders.RenderConfig(EXAMPLE, 1, **SMALL)
-    one = renders.render(cfg)
-    single = renders.export_step(cfg, single=True).exported
-    assert hlo.collectives(one.mlir) == []
+    cfg = render.RenderConfig(EXAMPLE, 1, **SMALL)
+    one = render.make(cfg)
+    single = render.export_step(cfg, single=True).exported
+    assert stablehlo.collectives(one.mlir) == []
     assert one.manifest["collectives"]["in_text"] == 0
     assert one.mlir == single.mlir_module()
     assert one.exported.nr_devices == 1
@@ -75,11 +79,11 @@ def test_a_four_replica_render_needs_one_device(example_f64, tmp_path):
     f64 step, and its three files are, byte for byte, the ones rendered here with 8 devices."""
     code = ("import jax\n"
             "assert jax.device_count() == 1, jax.devices()\n"
-            "from twinstep import renders\n"
-            f"r = renders.render(renders.RenderConfig({EXAMPLE!r}, 4, precision='f64', res=32, "
+            "from twinstep.rendering import render\n"
+            f"r = render.make(render.RenderConfig({EXAMPLE!r}, 4, precision='f64', res=32, "
             "classes=10))\n"
             "assert r.exported.nr_devices == 4\n"
-            f"renders.write(r, {str(tmp_path)!r})\n")
+            f"render.write(r, {str(tmp_path)!r})\n")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=600)
@@ -93,7 +97,7 @@ def test_a_four_replica_render_needs_one_device(example_f64, tmp_path):
                                   "mnv4in_emaaccdp8x128wxdowd005bf16"])
 @pytest.mark.slow
 def test_collectives_match_the_design_and_stay_f32(name):
-    r = renders.render(renders.RenderConfig(name, 4, **SMALL))
+    r = render.make(render.RenderConfig(name, 4, **SMALL))
     net, k = r.recipe.net, r.recipe.accum
     c = r.manifest["collectives"]
     bns, buckets = BNS[net], BUCKETS[net]
@@ -108,7 +112,7 @@ def test_collectives_match_the_design_and_stay_f32(name):
         "all_gather": bns, "all_reduce": bns + buckets + 1} == {"all_gather": gathers,
                                                                  "all_reduce": reduces}
     # the BN sites and the loss in the scan's body, each micro-step; the gradient buckets after it
-    ops = hlo.collectives(r.mlir)
+    ops = stablehlo.collectives(r.mlir)
     assert {o["site"] for o in ops if o["in_loop"]} == set(MICRO_STEP_SITES)
     assert {o["site"] for o in ops if not o["in_loop"]} == {"grad"}
     assert c["per_micro_step"] == 2 * bns + 1
@@ -155,19 +159,19 @@ def test_the_counter_sees_missing_collectives():
     unsynced control has only the gradients' and the loss's all-reduces. The whole step refuses
     that control (each replica would keep its own running statistics)."""
     net = get_net("resnet50")
-    buckets = len(grad_buckets(jax.tree.leaves(ties.setup(ties.TieConfig("resnet50", 4), net)[0])))
+    buckets = len(grad_buckets(jax.tree.leaves(tie.setup(tie.TieConfig("resnet50", 4), net)[0])))
     assert buckets == 10  # f64: twice the bytes of f32's 4
     for control, want in (("none", 2 * 53 + buckets + 1), ("unsynced", buckets + 1)):
-        cfg = ties.TieConfig("resnet50", 4, control=control)
-        params, buffers, x, t = ties.setup(cfg, net)
-        program = ties.replica_program(net, cfg, ties.tie_precision("f64"))
+        cfg = tie.TieConfig("resnet50", 4, control=control)
+        params, buffers, x, t = tie.setup(cfg, net)
+        program = tie.replica_program(net, cfg, tie.tie_precision("f64"))
         text = program.lower(params, buffers, x, t).as_text(debug_info=True)
-        ops = hlo.collectives(text)
+        ops = stablehlo.collectives(text)
         assert len(ops) == want, control
         assert {o["site"] for o in ops} == ({"grad", "loss"} if control == "unsynced"
                                             else set(SITES))
-    with pytest.raises(renders.RenderError, match="running statistics"):
-        renders.render(renders.RenderConfig(EXAMPLE, 4, control="unsynced", **SMALL))
+    with pytest.raises(RenderError, match="running statistics"):
+        render.make(render.RenderConfig(EXAMPLE, 4, control="unsynced", **SMALL))
 
 
 def test_the_collective_reader_sees_bf16_and_sites():
@@ -185,7 +189,7 @@ def test_the_collective_reader_sees_bf16_and_sites():
         ' 1]]> : tensor<1x2xi64>}> : (tensor<1x2x8xbf16>) -> tensor<2x2x8xbf16> loc(#loc4)',
         '#loc3 = loc("while/body/closed_call/bn_backward/psum_invariant")',
         '#loc4 = loc("bn_forward/all_gather_invariant"(#loc3))'])
-    assert hlo.collectives(text) == [
+    assert stablehlo.collectives(text) == [
         {"kind": "all_reduce", "site": "bn_backward", "in_loop": False,
          "operands": [((7, 3), "bf16")], "bytes": 42},
         {"kind": "all_gather", "site": "bn_forward", "in_loop": False,
@@ -199,15 +203,15 @@ def test_the_collective_reader_sees_bf16_and_sites():
 def test_bf16_renders_have_bf16_convolutions(net, name):
     """Forward, input-gradient and weight-gradient convolutions all take bf16 operands and give
     a bf16-TYPED result, in the StableHLO (on CPU; see the module docstring for the GPU)."""
-    r = renders.render(renders.RenderConfig(name, 2, **SMALL))
-    convs = hlo.convolutions(r.mlir)
+    r = render.make(render.RenderConfig(name, 2, **SMALL))
+    convs = stablehlo.convolutions(r.mlir)
     assert convs and all(d == "bf16" for c in convs for _, d in c["operands"] + [c["result"]])
     dense = sum(len(s) == 4 and s[1] > 1 for s in get_net(net).param_shapes(10).values())
     # ResNet-50: 53 forward, 52 input gradients (none for the image), 53 weight gradients;
     # MNv4 on CPU: the dense convs (depthwise runs as shifted multiply-adds there)
     assert len(convs) == 3 * dense - 1
     assert r.manifest["convolutions"] == {"count": len(convs), "dtypes": ["bf16"]}
-    f32 = renders.render(renders.RenderConfig(name.replace("bf16", ""), 2, **SMALL))
+    f32 = render.make(render.RenderConfig(name.replace("bf16", ""), 2, **SMALL))
     assert f32.manifest["convolutions"]["dtypes"] == ["f32"]  # the check tells them apart
     # rendered as the CLI renders them, x64 or not: no f64 anywhere in the program
     assert "f64" not in r.mlir and "f64" not in f32.mlir
@@ -219,7 +223,7 @@ def test_bf16_renders_have_bf16_convolutions(net, name):
 
 @pytest.mark.slow
 def test_bf16_renders_for_gpu_lower_depthwise_as_bf16_convolutions():
-    r = renders.render(renders.RenderConfig("mnv4in_adamdp2bf16", 2, platform="cuda", **SMALL))
+    r = render.make(render.RenderConfig("mnv4in_adamdp2bf16", 2, platform="cuda", **SMALL))
     shapes = get_net("mnv4").param_shapes(10).values()
     dense = sum(len(s) == 4 and s[1] > 1 for s in shapes)
     depthwise = sum(len(s) == 4 and s[1] == 1 for s in shapes)
@@ -234,7 +238,7 @@ def test_manifest_describes_the_signature(example_f64):
     r, paths = example_f64
     with open(paths[".json"]) as f:
         m = json.load(f)
-    assert tuple(m) == renders.MANIFEST_KEYS
+    assert tuple(m) == manifest.KEYS
     assert (m["net"], m["replicas"], m["batch"], m["global_batch"], m["accum"]) == (
         "resnet50", 4, 2, 8, 1)
     assert m["parameters"] == {"tensors": 161, "scalars": 23528522}  # K = 10
@@ -252,9 +256,9 @@ def test_manifest_describes_the_signature(example_f64):
 
 def _example_inputs(seed=3):
     """A trained-looking state (BN randomised), one batch, a key: the tie's own set-up."""
-    cfg = ties.TieConfig("resnet50", 4, 2, 32, 10, "ce", "f64", seed)
+    cfg = tie.TieConfig("resnet50", 4, 2, 32, 10, "ce", "f64", seed)
     net, recipe = get_net("resnet50"), parse(EXAMPLE)
-    params, buffers, _, _ = ties.setup(cfg, net)
+    params, buffers, _, _ = tie.setup(cfg, net)
     opt = optim.for_recipe(recipe, params)
     # every counter (step, Adam's, the schedule's) at 5: past lr(0) = 0, so parameters move
     state = jax.tree.map(lambda a: jnp.full_like(a, 5) if a.dtype == jnp.int32 else a,
@@ -268,7 +272,7 @@ def _example_inputs(seed=3):
 @ON_EXAMPLE
 @pytest.mark.slow
 def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_path):
-    """twinstep/artifact.py, in a process that imports no twinstep module, runs one step of
+    """twinstep/rendering/runner.py, in a process that imports no twinstep module, runs one step of
     the deserialized render; its state is this process's run of the artifact, which
     `test_tie_artifact_...` ties to the single-device Python step."""
     _, paths = example_f64
@@ -277,12 +281,12 @@ def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_p
     arrays = dict(zip(names, map(np.asarray, jax.tree.leaves(state)), strict=True))
     np.savez(tmp_path / "in.npz", xs=np.asarray(xs), ts=np.asarray(ts),
              key=np.asarray(jax.random.key_data(key)), **arrays)
-    run = program.artifact_program(*renders.load(paths[".jaxexport"]))
+    run = reader.step(*reader.load(paths[".jaxexport"]))
     ref, metrics = run(state, xs, ts, key)
-    ref = jax.tree.map(ties.host, ref)  # one host copy, not the R = 4 replicated state
-    script = os.path.join(os.path.dirname(renders.__file__), "artifact.py")
+    ref = jax.tree.map(bounds.host, ref)  # one host copy, not the R = 4 replicated state
+    script = os.path.join(os.path.dirname(render.__file__), "runner.py")
     code = ("import runpy, sys\n"
-            f"sys.argv = ['artifact.py', {paths['.jaxexport']!r}, '--inputs', "
+            f"sys.argv = ['runner.py', {paths['.jaxexport']!r}, '--inputs', "
             f"{str(tmp_path / 'in.npz')!r}, '--outputs', {str(tmp_path / 'out.npz')!r}]\n"
             "try:\n"
             f"    runpy.run_path({script!r}, run_name='__main__')\n"
@@ -299,21 +303,21 @@ def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_p
     # to the whole-step tie's bound: max(1e-10, 10 x what a rounding-sized input nudge moves
     # the step by).
     u = jax.random.normal(jax.random.key(1), xs.shape, xs.dtype)
-    nudged, _ = run(state, xs * (1 + ties.perturbation(xs.dtype) * u), ts, key)
-    nudged = jax.tree.map(ties.host, nudged)
+    nudged, _ = run(state, xs * (1 + bounds.perturbation(xs.dtype) * u), ts, key)
+    nudged = jax.tree.map(bounds.host, nudged)
     ours = jax.tree.unflatten(jax.tree.structure(state), [out[n] for n in names])
-    rows = ties.compare_states(ours, ref, (nudged,), ties.F64_PARAM_BOUND)
+    rows = trajectory.compare_states(ours, ref, (nudged,), bounds.F64_PARAM_BOUND)
     assert len(rows) == len(names) and all(r["ok"] for r in rows), [
         r for r in rows if not r["ok"]][:3]
-    assert ties.rel(out["loss"], metrics["loss"]) <= 1e-13
+    assert bounds.rel(out["loss"], metrics["loss"]) <= 1e-13
     assert int(out["step"]) == 6
     for name in ("params/fc.weight", "params/conv1.weight", "params/layer4.2.bn3.weight"):
         assert not np.array_equal(out[name], arrays[name]), name  # it stepped
 
 
 def test_the_runner_compiles_fast_as_twinstep_does():
-    from twinstep import artifact
-    assert artifact.FAST_COMPILE == dp.FAST_COMPILE
+    from twinstep.rendering import runner
+    assert runner.FAST_COMPILE == dp.FAST_COMPILE
 
 
 @ON_EXAMPLE
@@ -323,15 +327,15 @@ def test_tie_artifact_ties_the_render_and_catches_a_broken_one(example_f64, tmp_
     step. The negative control is a render of the wrong-divisor bug: its tie must fail."""
     _, paths = example_f64
     report = tmp_path / "tie.json"
-    assert cli.main(["tie", "--artifact", paths[".jaxexport"], "--steps", "2",
+    assert cli.main(["tie", "--render", paths[".jaxexport"], "--steps", "2",
                      "--json", str(report)]) == 0
     rep = json.loads(report.read_text())
     assert rep["ok"] and rep["artifact"] == paths[".jaxexport"]
     # params (which move from the second step: lr(0) = 0), buffers, Adam's mu and nu, counts
     assert len(rep["steps"][1]["rows"]) == 592 and rep["steps"][1]["loss"]["ok"]
-    broken = renders.render(renders.RenderConfig(EXAMPLE, 4, precision="f64",
+    broken = render.make(render.RenderConfig(EXAMPLE, 4, precision="f64",
                                                control="wrong-divisor", **SMALL))
-    bad = renders.write(broken, str(tmp_path / "broken"))
+    bad = render.write(broken, str(tmp_path / "broken"))
     assert cli.main(["tie", "--artifact", bad[".jaxexport"], "--steps", "1"]) == 1
 
 
@@ -354,8 +358,8 @@ def test_cli_render_usage_errors(tmp_path, example_f64, capsys):
     fails(["tie", "--artifact", "x.mlir"], "NAME.jaxexport")
     fails(["tie"], "the net is required")
     # an f32 render is not tied (the tie is exact in f64), and a tampered one is refused
-    r = renders.render(renders.RenderConfig(EXAMPLE, 2, **SMALL))
-    f32 = renders.write(r, str(tmp_path / "f32"))
+    r = render.make(render.RenderConfig(EXAMPLE, 2, **SMALL))
+    f32 = render.write(r, str(tmp_path / "f32"))
     assert cli.main(["tie", "--artifact", f32[".jaxexport"]]) == 2
     assert "--precision f64" in capsys.readouterr().err
     with open(f32[".jaxexport"], "ab") as f:
@@ -373,16 +377,16 @@ def test_committed_manifests_are_current():
     """renders/ holds `render --all --replicas 4` manifests (the .mlir and .jaxexport are not
     committed): one per name, and each still describes what the code renders — signature,
     collectives, convolutions — checked here for the smallest of each net."""
-    folder = os.path.join(os.path.dirname(os.path.dirname(renders.__file__)), "renders")
+    folder = os.path.join(os.path.dirname(os.path.dirname(render.__file__)), "renders")
     manifests = {}
-    for name in renders.all_names():
+    for name in render.all_names():
         with open(os.path.join(folder, name + ".json")) as f:
             manifests[name] = json.load(f)
     for name in ("resnet50in_momdp64", "mnv4in_adamdp64"):
         m = manifests[name]
-        fresh = renders.render(renders.RenderConfig(name, m["replicas"], m["res"], m["classes"],
+        fresh = render.make(render.RenderConfig(name, m["replicas"], m["res"], m["classes"],
                                                   m["precision"], m["platform"])).manifest
-        for key in renders.MANIFEST_KEYS:
+        for key in manifest.KEYS:
             if key not in ("versions", "files"):
                 assert json.loads(json.dumps(fresh[key])) == m[key], (name, key)
     assert {m["replicas"] for m in manifests.values()} == {4}
@@ -403,9 +407,9 @@ def test_an_artifact_is_trusted_only_whole(example_f64, tmp_path):
     """Each way a render can be other than what its manifest says is refused at load, before
     anything runs, in one line: a field against the name, the .mlir's hash, a missing file, a
     corrupt program whose hash was made to match, a program for other devices; and
-    twinstep/artifact.py refuses the same sets (exit 2, one line)."""
+    twinstep/rendering/runner.py refuses the same sets (exit 2, one line)."""
     _, paths = example_f64
-    script = os.path.join(os.path.dirname(renders.__file__), "artifact.py")
+    script = os.path.join(os.path.dirname(render.__file__), "runner.py")
 
     def copy(edit_manifest=None, edit_files=None):
         folder = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
@@ -440,9 +444,9 @@ def test_an_artifact_is_trusted_only_whole(example_f64, tmp_path):
         (copy(lambda m, b: m.update(replicas=2, global_batch=4)), "runs on 4 devices"),
     ]
     for path, says in cases:
-        with pytest.raises(renders.RenderError, match=re.escape(says)):
-            renders.load(path)
-    assert renders.load(copy())  # the control: an untouched copy loads
+        with pytest.raises(RenderError, match=re.escape(says)):
+            reader.load(path)
+    assert reader.load(copy())  # the control: an untouched copy loads
     for path, _ in cases[3:6]:  # the runner needs no twinstep and refuses alike
         p = subprocess.run([sys.executable, script, path, "--inputs", "x.npz", "--outputs",
                             str(tmp_path / "o.npz")], capture_output=True, text=True)
@@ -457,22 +461,23 @@ def test_training_with_the_artifact_takes_the_python_steps(example_f64, tmp_path
     """`twinstep train --artifact`: two steps of the render's deserialized program on the
     digits end where two steps of the Python step do (the same recipe and schedule as
     rendered), every parameter within the tie's f64 floor."""
-    from twinstep import api, recipes, trainer
-    from twinstep.compare import grad_err
+    from twinstep import api, recipes
+    from twinstep.checking.bounds import grad_err
+    from twinstep.training import loop
 
     _, paths = example_f64
     common = {"replicas": 4, "batch": 2, "res": 32, "precision": "f64", "steps": 2,
               "eval_every": 2, "ckpt_every": 2}
     api.train(EXAMPLE, str(tmp_path / "artifact"), artifact=paths[".jaxexport"], **common)
-    monkeypatch.setattr(trainer.TrainConfig, "parsed_recipe",
+    monkeypatch.setattr(loop.TrainConfig, "parsed_recipe",
                         lambda self: recipes.parse(self.recipe))  # the render's schedule
     api.train(EXAMPLE, str(tmp_path / "python"), **common)
-    a, b = (trainer.load_state(tmp_path / d) for d in ("artifact", "python"))
+    a, b = (load_state(tmp_path / d) for d in ("artifact", "python"))
     errors = [grad_err(k, a["params"], b["params"]) for k in b["params"]]
     assert len(errors) == 161 and max(errors) <= 1e-10, max(errors)
     assert int(a["step"]) == 2
     # control: a third step of the Python run moves the parameters far beyond that floor
     monkeypatch.setitem(common, "steps", 3)
     api.train(EXAMPLE, str(tmp_path / "python3"), **common)
-    c = trainer.load_state(tmp_path / "python3")
+    c = load_state(tmp_path / "python3")
     assert max(grad_err(k, c["params"], b["params"]) for k in b["params"]) > 1e-6

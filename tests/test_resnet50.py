@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 from oracle_libs import timm, torch
 
-from twinstep import dp, info, oracle, parity, weights
+from twinstep import dp
+from twinstep.checking import oracle, parity
+from twinstep.cli import info
 from twinstep.nets import layers, resnet50
 from twinstep.ops import loss, pool
 from twinstep.ops.precision import F64
+from twinstep.training import state_dict
 
 K = 10
 
@@ -143,8 +146,8 @@ def test_checkpoints_round_trip_through_timm(suffix, tmp_path, rng):
     if suffix == ".pth":
         torch.save(model.state_dict(), path)
     else:
-        weights.save(path, state)
-    params, buffers, k = weights.to_net(resnet50, weights.load(path), np.float64)
+        state_dict.save(path, state)
+    params, buffers, k = state_dict.to_net(resnet50, state_dict.load(path), np.float64)
     assert k == K
     x = rng.standard_normal((2, 64, 64, 3))
     ours = resnet50.forward(params, buffers, jnp.asarray(x), layers.Ctx(precision=F64,
@@ -154,9 +157,9 @@ def test_checkpoints_round_trip_through_timm(suffix, tmp_path, rng):
     assert oracle.rel_err(ours, theirs) < 1e-12
 
     back = tmp_path / f"ours{suffix}"
-    weights.save(back, {**params, **buffers})
+    state_dict.save(back, {**params, **buffers})
     loaded = (torch.load(back, weights_only=True) if suffix == ".pth" else
-              {k: torch.tensor(v) for k, v in weights.load(back).items()})
+              {k: torch.tensor(v) for k, v in state_dict.load(back).items()})
     fresh = timm.create_model("resnet50", num_classes=K).double()
     missing, unexpected = fresh.load_state_dict(loaded, strict=False)
     assert unexpected == [] and all(m.endswith("num_batches_tracked") for m in missing)
@@ -168,4 +171,4 @@ def test_checkpoints_round_trip_through_timm(suffix, tmp_path, rng):
 def test_wrong_checkpoint_is_rejected():
     state = {k: np.zeros(s) for k, s in resnet50.param_shapes(K).items()}
     with pytest.raises(ValueError, match="running_mean"):
-        weights.to_net(resnet50, state)
+        state_dict.to_net(resnet50, state)

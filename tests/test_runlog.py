@@ -1,6 +1,6 @@
-"""RUN_DIR's logs (twinstep.runlog): metrics.jsonl and the TensorBoard event files written by
-RunLog from a fake run's records (no JAX), read back; a resume's truncation and purge; a torn
-last line; the curves PNG.
+"""RUN_DIR's logs (twinstep.training.run_log): metrics.jsonl and the TensorBoard event files
+written by RunLog from a fake run's records (no JAX), read back; a resume's truncation and
+purge; a torn last line; the curves PNG.
 
 No TensorBoard reader is installed (tensorboardX writes only, and tensorboard is not a
 dependency), so the event files are read here: the TFRecord framing (length, masked CRC-32C of
@@ -19,8 +19,8 @@ import sys
 import numpy as np
 import pytest
 
-from twinstep import runlog
 from twinstep.errors import UsageError
+from twinstep.training import run_log
 
 
 def _train_record(step: int, scale: float) -> dict:
@@ -72,7 +72,7 @@ def _event_files(run_dir) -> list[str]:
 def _events(path, torn_ok=False):
     """The Event protos of one event file, every CRC checked; a torn last record (a kill
     mid-write) ends the file only where ``torn_ok``."""
-    runlog._import_tensorboardx()  # tensorboardX without torch (see there)
+    run_log._import_tensorboardx()  # tensorboardX without torch (see there)
     from tensorboardX.proto.event_pb2 import Event
     from tensorboardX.record_writer import masked_crc32c
 
@@ -130,19 +130,19 @@ def _nudged(expected: dict, tag: str, index: int) -> dict:
 
 
 def test_metrics_round_trip(tmp_path):
-    with runlog.RunLog(str(tmp_path)) as log:
+    with run_log.RunLog(str(tmp_path)) as log:
         train, evals = _log(log, range(10, 70, 10))
-    assert runlog.read_metrics(str(tmp_path)) == (train, evals)
+    assert run_log.read_metrics(str(tmp_path)) == (train, evals)
     lines = (tmp_path / "metrics.jsonl").read_bytes().split(b"\n")
     assert lines[-1] == b"" and len(lines) - 1 == len(train) + len(evals) == 8
     # negative control: one loss one float64 ulp off is told apart (JSON keeps all 17 digits)
     wrong = [dict(r) for r in train]
     wrong[3]["loss"] = float(np.nextafter(wrong[3]["loss"], 1.0))
-    assert runlog.read_metrics(str(tmp_path)) != (wrong, evals)
+    assert run_log.read_metrics(str(tmp_path)) != (wrong, evals)
 
 
 def test_tensorboard_scalars(tmp_path):
-    with runlog.RunLog(str(tmp_path)) as log:
+    with run_log.RunLog(str(tmp_path)) as log:
         train, evals = _log(log, range(10, 70, 10))
     expected = _expected(train, evals)
     assert set(expected) == {"train/epoch", "train/loss", "train/lr", "train/img_per_s",
@@ -165,7 +165,7 @@ def test_tensorboard_scalars(tmp_path):
 
 def test_resume_truncates_and_purges(tmp_path):
     run_dir = str(tmp_path)
-    with runlog.RunLog(run_dir) as log:
+    with run_log.RunLog(run_dir) as log:
         old_train, old_evals = _log(log, range(10, 70, 10))  # evals at 30 and 60
     # killed mid-write after step 60: a torn line and a torn event record at the ends
     with open(tmp_path / "metrics.jsonl", "ab") as f:
@@ -174,9 +174,9 @@ def test_resume_truncates_and_purges(tmp_path):
     with open(first, "ab") as f:
         f.write(struct.pack("<Q", 90) + b"\x01\x02")
     # the checkpoint at step 40 resumes: new values (scale 2) from step 50 on
-    log = runlog.RunLog(run_dir, resume_step=40)
+    log = run_log.RunLog(run_dir, resume_step=40)
     kept_train, kept_evals = old_train[:4], old_evals[:1]
-    assert runlog.read_metrics(run_dir) == (kept_train, kept_evals)
+    assert run_log.read_metrics(run_dir) == (kept_train, kept_evals)
     assert (tmp_path / "metrics.jsonl").read_bytes().endswith(b"}\n")  # the torn tail is gone
     new_train, new_evals = _log(log, [50], scale=2.0)
     # part way (step 50 logged, the eval at 60 not yet): TensorBoard's Python reader has
@@ -193,7 +193,7 @@ def test_resume_truncates_and_purges(tmp_path):
     log.close()
     whole = (kept_train + new_train + more_train, kept_evals + new_evals + more_evals)
     assert [r["step"] for r in whole[0]] == [10, 20, 30, 40, 50, 60]
-    assert runlog.read_metrics(run_dir) == whole
+    assert run_log.read_metrics(run_dir) == whole
     for reader in ("python", "rust"):
         assert _shown(run_dir, reader, torn_ok=True) == _expected(*whole)
     # the killed attempt's values at 50 and 60 differ from the resumed run's: a reader that
@@ -207,18 +207,18 @@ def test_resume_truncates_and_purges(tmp_path):
 
 
 def test_torn_final_line_is_skipped(tmp_path):
-    with runlog.RunLog(str(tmp_path)) as log:
+    with run_log.RunLog(str(tmp_path)) as log:
         train, evals = _log(log, range(10, 40, 10))
     path = tmp_path / "metrics.jsonl"
     whole = path.read_bytes()
     path.write_bytes(whole + b'{"step": 40, "epoch": 0.625, "lo')
     with pytest.raises(ValueError):  # the control: the last line really is not JSON
         json.loads(path.read_bytes().split(b"\n")[-1])
-    assert runlog.read_metrics(str(tmp_path)) == (train, evals)
+    assert run_log.read_metrics(str(tmp_path)) == (train, evals)
     # damage elsewhere is not taken for a torn line: one clear line
     path.write_bytes(b'{"step": 10, "lo\n' + whole)
     with pytest.raises(UsageError, match="line 1: not a metrics record") as e:
-        runlog.read_metrics(str(tmp_path))
+        run_log.read_metrics(str(tmp_path))
     assert "\n" not in str(e.value)
 
 
@@ -232,13 +232,13 @@ def _pixels(path) -> np.ndarray:
 
 def test_plot_writes_png(tmp_path):
     run_dir = str(tmp_path / "run")
-    with runlog.RunLog(run_dir) as log:
+    with run_log.RunLog(run_dir) as log:
         _log(log, range(10, 70, 10))
-    path = runlog.plot(run_dir)
+    path = run_log.plot(run_dir)
     assert path == os.path.join(run_dir, "curves.png")
     assert sorted(os.listdir(run_dir)) == ["curves.png", "metrics.jsonl", "tb"]  # no temporary
     # the same records draw the same picture (the control for the next test)
-    again = runlog.plot(run_dir, str(tmp_path / "again.png"))
+    again = run_log.plot(run_dir, str(tmp_path / "again.png"))
     assert np.array_equal(_pixels(again), _pixels(path))
 
 
@@ -246,9 +246,9 @@ def test_plot_draws_the_records(tmp_path):
     pictures = []
     for name, scale, ema in (("a", 1.0, True), ("b", 1.5, True), ("c", 1.0, False)):
         run_dir = str(tmp_path / name / "run")  # one name: the title is the same
-        with runlog.RunLog(run_dir) as log:
+        with run_log.RunLog(run_dir) as log:
             _log(log, range(10, 70, 10), scale=scale, ema=ema)
-        pictures.append(_pixels(runlog.plot(run_dir)))
+        pictures.append(_pixels(run_log.plot(run_dir)))
     # other train losses (b) or no EMA (c) draw another picture than a's
     assert not np.array_equal(pictures[1], pictures[0])
     assert not np.array_equal(pictures[2], pictures[0])
@@ -268,28 +268,28 @@ def test_plot_refuses_nothing_to_draw(tmp_path):
     cases.append((str(blank), "no records yet"))
     for run_dir, why in cases:
         with pytest.raises(UsageError, match=why) as e:
-            runlog.plot(run_dir)
+            run_log.plot(run_dir)
         assert "\n" not in str(e.value)
         assert not os.path.exists(os.path.join(run_dir, "curves.png"))
-    with runlog.RunLog(str(torn)) as log:  # from scratch: the torn line goes
+    with run_log.RunLog(str(torn)) as log:  # from scratch: the torn line goes
         _log(log, [10])
     with pytest.raises(UsageError, match="a .png file name"):
-        runlog.plot(str(torn), str(tmp_path / "curves.jpg"))
+        run_log.plot(str(torn), str(tmp_path / "curves.jpg"))
 
 
 def test_closed_log_refuses_records(tmp_path):
-    log = runlog.RunLog(str(tmp_path))
+    log = run_log.RunLog(str(tmp_path))
     log.close()
     log.close()  # again: nothing
     with pytest.raises(ValueError, match="closed"):
         log.train(_train_record(10, 1.0))
-    assert runlog.read_metrics(str(tmp_path)) == ([], [])
+    assert run_log.read_metrics(str(tmp_path)) == ([], [])
 
 
 def test_imports_stay_light(tmp_path):
-    """``import twinstep.runlog`` loads neither tensorboardX nor matplotlib (nor JAX), and a
-    RunLog loads tensorboardX without torch (which tensorboardX imports when installed)."""
-    code = ("import sys; import twinstep.runlog as r\n"
+    """``import twinstep.training.run_log`` loads neither tensorboardX nor matplotlib (nor JAX),
+    and a RunLog loads tensorboardX without torch (which tensorboardX imports when installed)."""
+    code = ("import sys; import twinstep.training.run_log as r\n"
             "heavy = ('tensorboardX', 'matplotlib', 'jax', 'torch', 'numpy')\n"
             "print([m for m in heavy if m in sys.modules])\n"
             f"r.RunLog({str(tmp_path)!r}).close()\n"

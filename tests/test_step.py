@@ -9,7 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from twinstep import dp, optim, recipes, step, ties
+from twinstep import dp, optim, recipes, step
+from twinstep.checking import bounds, tie
 from twinstep.nets import get_net, layers
 from twinstep.ops import batchnorm
 from twinstep.ops.precision import F64
@@ -26,8 +27,8 @@ def jit(fn, **kw):
 def test_accumulation_is_the_mean_of_the_micro_steps():
     net = get_net("resnet50")
     rec = recipes.parse("resnet50in_lambaccdp2x2wxclipbce")
-    cfg = ties.TieConfig(replicas=1, batch=4)
-    params, buffers, _, _ = ties.setup(cfg, net)
+    cfg = tie.TieConfig(replicas=1, batch=4)
+    params, buffers, _, _ = tie.setup(cfg, net)
     rng = np.random.default_rng(0)
     xs = jnp.asarray(rng.standard_normal((2, 4, 32, 32, 3)))
     ts = jnp.asarray(np.eye(10)[rng.integers(0, 10, (2, 4))])
@@ -45,12 +46,13 @@ def test_accumulation_is_the_mean_of_the_micro_steps():
     b = micro(params, a.buffers, xs[1], t1, m)
     for name in params:
         # the tie's f64 bounds: two compiled programs (a scan, two calls) round differently
-        assert ties.rel(grads[name], (a.grads[name] + b.grads[name]) / 2) <= ties.F64_PARAM_BOUND
+        mean = (a.grads[name] + b.grads[name]) / 2
+        assert bounds.rel(grads[name], mean) <= bounds.F64_PARAM_BOUND
     for name in buffers:
-        assert ties.rel(bufs[name], b.buffers[name]) <= ties.F64_STAT_BOUND, name
+        assert bounds.rel(bufs[name], b.buffers[name]) <= bounds.F64_STAT_BOUND, name
     # a control: one micro-step at the full momentum moves the buffers elsewhere
     c = micro(params, buffers, xs[0], t0, batchnorm.MOMENTUM)
-    assert max(ties.rel(c.buffers[k], a.buffers[k]) for k in buffers) > 1e-3
+    assert max(bounds.rel(c.buffers[k], a.buffers[k]) for k in buffers) > 1e-3
 
 
 def test_the_optimizer_sees_the_clipped_mean_and_eval_reads_raw_or_ema():
@@ -58,7 +60,7 @@ def test_the_optimizer_sees_the_clipped_mean_and_eval_reads_raw_or_ema():
     the clip acts), then the EMA; eval_logits reads the raw or the EMA weights."""
     net = get_net("resnet50")
     rec = recipes.parse("resnet50in_emaaccdp2x2wxclip")
-    params, buffers, _, _ = ties.setup(ties.TieConfig(replicas=1, batch=4), net)
+    params, buffers, _, _ = tie.setup(tie.TieConfig(replicas=1, batch=4), net)
     rng = np.random.default_rng(1)
     xs = jnp.asarray(rng.standard_normal((2, 4, 32, 32, 3)))
     ts = jnp.asarray(np.eye(10)[rng.integers(0, 10, (2, 4))])
@@ -81,16 +83,16 @@ def test_the_optimizer_sees_the_clipped_mean_and_eval_reads_raw_or_ema():
         st.params, opt.update(g, st.opt_state, st.params)[0]))  # one program, eager is ~600
     expected = step_with(grads, state)
     for name in params:
-        assert ties.rel(new.params[name], expected[name]) <= ties.F64_PARAM_BOUND, name
+        assert bounds.rel(new.params[name], expected[name]) <= bounds.F64_PARAM_BOUND, name
     # a control: clipping each micro-step's gradient before the mean lands elsewhere
     clip = jit(lambda g: optax.tree.scale(jnp.minimum(1.0, 1.0 / optax.tree.norm(g)), g))
     moved = step_with(mean(*map(clip, each)), state)
-    assert max(ties.rel(moved[n], expected[n]) for n in params) > 1e-6
+    assert max(bounds.rel(moved[n], expected[n]) for n in params) > 1e-6
 
     evaluate = jit(lambda st, use_ema: step.eval_logits(net, st, xs[0], ctx, use_ema),
                        static_argnums=1)
     with_ema = evaluate(new, True)
     # the EMA weights put in the raw weights' place, read by the same raw-weights program
     ema_as_raw = new._replace(params=new.ema[0], buffers=new.ema[1])
-    assert ties.rel(with_ema, evaluate(ema_as_raw, False)) <= 1e-12
-    assert ties.rel(evaluate(new, False), with_ema) > 1e-6
+    assert bounds.rel(with_ema, evaluate(ema_as_raw, False)) <= 1e-12
+    assert bounds.rel(evaluate(new, False), with_ema) > 1e-6

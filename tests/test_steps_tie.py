@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from conftest import FAST_COMPILE_NETS
 
-from twinstep import dp, recipes, step, ties
+from twinstep import dp, recipes, step
+from twinstep.checking import tie, trajectory
 from twinstep.nets import get_net
 
 LAMB_ACC = "resnet50in_lambaccdp2x2wxclipbce"  # LAMB, k = 2, clip, wx, BCE
@@ -32,14 +33,14 @@ STEP_FEATURES = "mnv4in_emaaccdp2x2wxclipdropdobce"
 EVERY_FEATURE = "mnv4in_emalambaccdp2x2wxclipdropdobce"
 
 
-def run(name: str, replicas: int, steps: int = 3, control: str = "none") -> ties.StepsReport:
+def run(name: str, replicas: int, steps: int = 3, control: str = "none") -> trajectory.StepsReport:
     r = recipes.parse(name)
-    cfg = ties.TieConfig(net=r.net, replicas=replicas, batch=r.batch, loss=r.loss, recipe=name,
+    cfg = tie.TieConfig(net=r.net, replicas=replicas, batch=r.batch, loss=r.loss, recipe=name,
                         control=control, fast_compile=r.net in FAST_COMPILE_NETS)
-    return ties.run_steps_tie(cfg, r, steps)
+    return trajectory.run_steps_tie(cfg, r, steps)
 
 
-def fields(report: ties.StepsReport) -> dict:
+def fields(report: trajectory.StepsReport) -> dict:
     out: dict = {}
     for row in report.steps[-1]["rows"]:
         out.setdefault(row["name"].split("/")[0], []).append(row)

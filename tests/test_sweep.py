@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from twinstep import ties
+from twinstep.checking import tie
 from twinstep.collectives import CONTROLS, MASK_CONTROLS
 
 FULL = os.environ.get("TWINSTEP_HYPOTHESIS") == "all"
@@ -45,14 +45,14 @@ def test_random_ties_tie_and_their_controls_break_them(group, record_property):
     start, counts = time.perf_counter(), {"ties": 0, "controls": 0, "inconclusive": 0}
     for _ in range(CASES):
         case = {**shape, "seed": int(rng.integers(0, 2**31)), "shift": bool(rng.integers(2))}
-        cfg = ties.TieConfig(**case)
-        r = ties.run_tie(cfg)
+        cfg = tie.TieConfig(**case)
+        r = tie.run_tie(cfg)
         assert r.within and r.replicas_agree, f"{case}: {r.verdict()}"
         counts["ties"] += 1
         counts["inconclusive"] += r.status == "inconclusive"
         if len(controls):
             control = str(rng.choice(controls))
-            broken = ties.run_tie(ties.TieConfig(**case, control=control))
+            broken = tie.run_tie(tie.TieConfig(**case, control=control))
             assert broken.status == "NOT tied", f"{case}, {control}: {broken.verdict()}"
             counts["controls"] += 1
     for key, value in counts.items():

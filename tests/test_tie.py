@@ -20,7 +20,7 @@ from conftest import FAST_COMPILE_NETS, SWEEP_PHASES
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from twinstep import ties
+from twinstep.checking import bounds, tie
 from twinstep.collectives import CONTROLS, MASK_CONTROLS
 from twinstep.nets import get_net
 
@@ -33,21 +33,21 @@ def matrix(*cases, keep):
     return [pytest.param(*c, marks=() if c in keep else ALL) for c in cases]
 
 
-def run(**kw) -> ties.TieReport:
-    cfg = ties.TieConfig(**kw)
-    return ties.run_tie(dataclasses.replace(cfg, fast_compile=cfg.net in FAST_COMPILE_NETS))
+def run(**kw) -> tie.TieReport:
+    cfg = tie.TieConfig(**kw)
+    return tie.run_tie(dataclasses.replace(cfg, fast_compile=cfg.net in FAST_COMPILE_NETS))
 
 
-def assert_tied(r: ties.TieReport):
+def assert_tied(r: tie.TieReport):
     assert r.ok, r.verdict()
     assert (len(r.parameters), len(r.bn_sites)) == COUNTS[r.config.net]
     assert r.replicas_agree
 
 
-def assert_no_collective(cfg: ties.TieConfig):
+def assert_no_collective(cfg: tie.TieConfig):
     net = get_net(cfg.net)
-    prec = ties.tie_precision(cfg.precision)
-    text = ties.replica_program(net, cfg, prec).lower(*ties.setup(cfg, net)).as_text()
+    prec = tie.tie_precision(cfg.precision)
+    text = tie.replica_program(net, cfg, prec).lower(*tie.setup(cfg, net)).as_text()
     assert "all_reduce" not in text and "all-reduce" not in text
 
 
@@ -120,7 +120,7 @@ def test_f32_ties_at_its_default_within_1e_3_and_sees_a_bug_of_a_few_percent(net
     assert_tied(r)
     assert all(p["bound"] == max(1e-4, 10 * p["sensitivity"]) for p in r.parameters)
     rows = [*r.parameters, *r.bn_sites, r.loss]
-    assert max(row["bound"] for row in rows) <= ties.INCONCLUSIVE_BOUND
+    assert max(row["bound"] for row in rows) <= bounds.INCONCLUSIVE_BOUND
     broken = run(net=net, precision="f32", control="divisor-plus-one")
     caught = [p for p in broken.parameters if not p["ok"]]
     assert broken.status == "NOT tied"
@@ -138,14 +138,14 @@ def test_f32_from_random_bn_is_too_loose_to_conclude():
     assert r.within and r.status == "inconclusive", r.verdict()
     assert all(p["bound"] == max(1e-4, 10 * p["sensitivity"]) for p in r.parameters)
     rows = [*r.parameters, *r.bn_sites, r.loss]
-    loose = sum(row["bound"] > ties.INCONCLUSIVE_BOUND for row in rows)
+    loose = sum(row["bound"] > bounds.INCONCLUSIVE_BOUND for row in rows)
     assert loose > 0 and f"; {loose} of {len(rows)} bounds exceed 0.001" in r.verdict()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("net", ["resnet50", pytest.param("mnv4", marks=pytest.mark.all)])
 def test_bf16_ties_at_the_partial_sum_boundary(net):
-    """bf16 (ties.tie_precision): every conv weight gradient within the bf16 boundary (docs/tie.md)
+    """bf16 (tie.tie_precision): every conv weight gradient within the bf16 boundary (docs/tie.md)
     elementwise, and that boundary is what separates the two programs — the error is of its
     size, not far below it; everything else ties at the f64 bounds; a control still fails."""
     r = run(net=net, precision="bf16")  # R = 4: at R = 2 MNv4 misses two conv weight bounds

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from oracle_libs import F, timm, torch
 
-from twinstep import oracle
+from twinstep.checking import oracle
 from twinstep.ops import batchnorm, conv, loss, pool
 
 TOL = 1e-12

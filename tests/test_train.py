@@ -19,7 +19,9 @@ from conftest import FAST_COMPILE_NETS
 
 from twinstep import UsageError
 from twinstep.data import batches, digits
-from twinstep.trainer import TrainConfig, export, load_state
+from twinstep.training.checkpoint import load_state
+from twinstep.training.config import TrainConfig
+from twinstep.training.state_dict import write_from_run
 
 RECIPE = "mnv4in_adamdp4"  # MobileNetV4: compiling dominates its small steps (conftest)
 
@@ -137,7 +139,7 @@ def _exported_weights_run_in_timm_as_in_twinstep(run_dir):
     import torch
 
     from twinstep import program
-    from twinstep.compare import rel
+    from twinstep.checking.bounds import rel
     from twinstep.nets import mobilenetv4
 
     state = load_state(run_dir)
@@ -147,7 +149,7 @@ def _exported_weights_run_in_timm_as_in_twinstep(run_dir):
     done = subprocess.run([sys.executable, "-m", "twinstep.cli", "export", str(run_dir)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    for path in (done.stdout.strip(), export(str(run_dir), "pth")):
+    for path in (done.stdout.strip(), write_from_run(str(run_dir), "pth")):
         model = timm.create_model(mobilenetv4.TIMM_NAME, num_classes=classes,
                                   pretrained=True, pretrained_cfg_overlay=dict(
                                       file=path, num_classes=classes)).eval()
@@ -160,13 +162,13 @@ def _exported_weights_run_in_timm_as_in_twinstep(run_dir):
 @pytest.mark.all  # make test: tests/test_hosts.py continues a 4-replica run on 2 and 1 x 8
 def test_two_replicas_train_what_one_device_trains_at_the_same_global_batch(tmp_path):
     """f64, 2 steps of SGD with momentum on digits: R = 2 x N = 4 against R = 1 x N = 8. Every
-    parameter (a BN bias that is a structural zero against zero, `compare.grad_err`), every
+    parameter (a BN bias that is a structural zero against zero, `bounds.grad_err`), every
     running variance, every running mean in units of its channel's std, and the losses within
     1e-10 — the tie's f64 floor. (Momentum traces are gradients: after two steps those of
     nearly cancelling sums move by 1e-10 under any reordering; the whole-step tie holds them to
     its noise floor.) And a run checkpointed at R = 2 resumes at R = 1 with the same R N."""
     from twinstep import api
-    from twinstep.compare import grad_err, rel
+    from twinstep.checking.bounds import grad_err, rel
 
     common = {"steps": 2, "eval_every": 2, "ckpt_every": 2, "log_every": 1, "precision": "f64",
               "fast_compile": "mnv4" in FAST_COMPILE_NETS}
@@ -236,14 +238,15 @@ class _StandIn:
 
 def test_a_nan_stops_at_its_step_and_a_cut_off_checkpoint_write_leaves_the_last_one(
         tmp_path, monkeypatch):
-    from twinstep import program, trainer
+    from twinstep import program
+    from twinstep.training import loop
 
     stand_in = _StandIn(nan_at=5)
     monkeypatch.setattr(program, "train_program", stand_in.train_program)
     monkeypatch.setattr(program, "eval_program", stand_in.eval_program)
     cfg = TrainConfig(RECIPE, str(tmp_path / "run"), steps=8, ckpt_every=2, eval_every=8)
-    with pytest.raises(trainer.NonFinite, match=r"nan at step 5; the last checkpoint \(step 4\)"):
-        trainer.run(cfg)
+    with pytest.raises(loop.NonFinite, match=r"nan at step 5; the last checkpoint \(step 4\)"):
+        loop.run(cfg)
     assert int(load_state(tmp_path / "run")["step"]) == 4
     # a checkpoint write cut off part-way leaves orbax's temporary folder, never a checkpoint:
     # the previous one still loads, and --resume continues from it
@@ -253,17 +256,18 @@ def test_a_nan_stops_at_its_step_and_a_cut_off_checkpoint_write_leaves_the_last_
     assert int(load_state(tmp_path / "run")["step"]) == 4
     monkeypatch.setattr(stand_in, "nan_at", None)
     resumed = []
-    trainer.run(dataclasses.replace(cfg, resume=True), progress=lambda s, m: resumed.append(s))
+    loop.run(dataclasses.replace(cfg, resume=True), progress=lambda s, m: resumed.append(s))
     assert resumed[0] == 5 and int(load_state(tmp_path / "run")["step"]) == 8
     # control: --resume on a RUN_DIR with no run is refused
     with pytest.raises(UsageError, match="--resume: .* holds no run"):
-        trainer.run(TrainConfig(RECIPE, str(tmp_path / "new"), resume=True))
+        loop.run(TrainConfig(RECIPE, str(tmp_path / "new"), resume=True))
 
 
 def test_init_from_loads_every_tensor_and_starts_a_classifier_of_another_width_afresh(
         tmp_path, monkeypatch):
-    from twinstep import program, trainer, weights
+    from twinstep import program
     from twinstep.nets import layers, mobilenetv4
+    from twinstep.training import state_dict
 
     monkeypatch.setattr(program, "train_program", _StandIn().train_program)
     shapes = mobilenetv4.param_shapes(1000)
@@ -271,21 +275,22 @@ def test_init_from_loads_every_tensor_and_starts_a_classifier_of_another_width_a
     saved = {n: rng.standard_normal(s).astype(np.float32)
              for n, s in {**shapes, **layers.buffer_shapes(shapes)}.items()}
     path = str(tmp_path / "pretrained.safetensors")
-    weights.save(path, saved)
+    state_dict.save(path, saved)
     cfg = TrainConfig(RECIPE, str(tmp_path / "run"), init_from=path)
     prog = program.train_program(mobilenetv4, cfg.parsed_recipe(), 10)
-    state = trainer.init_state(cfg, mobilenetv4, prog, 10)
+    state = state_dict.initial_state(cfg, mobilenetv4, prog, 10)
     head = ("classifier.weight", "classifier.bias")
     assert all(np.array_equal(state.params[n], saved[n]) for n in shapes if n not in head)
     assert all(np.array_equal(state.buffers[n], saved[n]) for n in state.buffers)
     assert state.params["classifier.weight"].shape == (10, mobilenetv4.FEATURES)
-    fresh = trainer.init_state(TrainConfig(RECIPE, str(tmp_path / "r")), mobilenetv4, prog, 10)
+    fresh = state_dict.initial_state(TrainConfig(RECIPE, str(tmp_path / "r")), mobilenetv4, prog,
+                                     10)
     assert np.array_equal(state.params["classifier.weight"], fresh.params["classifier.weight"])
     assert not np.array_equal(state.params["conv_stem.weight"], fresh.params["conv_stem.weight"])
     del saved["conv_stem.weight"]  # not a whole MobileNetV4 state dict: refused, one line
-    weights.save(path, saved)
+    state_dict.save(path, saved)
     with pytest.raises(UsageError, match="--init-from .*missing.*conv_stem.weight"):
-        trainer.init_state(cfg, mobilenetv4, prog, 10)
+        state_dict.initial_state(cfg, mobilenetv4, prog, 10)
 
 
 def test_an_artifact_must_match_the_run_it_trains(tmp_path):
@@ -313,9 +318,10 @@ def test_evaluation_sharded_over_the_replicas_is_the_single_devices():
     the shards in another order) is 100 000 times larger."""
     import jax
 
-    from twinstep import program, trainer
-    from twinstep.compare import rel
+    from twinstep import program
+    from twinstep.checking.bounds import rel
     from twinstep.nets import layers, mobilenetv4
+    from twinstep.training import evaluation
 
     shapes = mobilenetv4.param_shapes(10)
     weights = (layers.init_params(jax.random.key(0), shapes, (), np.float32),
@@ -324,7 +330,7 @@ def test_evaluation_sharded_over_the_replicas_is_the_single_devices():
     logits = program.eval_program(mobilenetv4, "f32", "mnv4" in FAST_COMPILE_NETS)
 
     def on(replicas):
-        on_all, by_rows = trainer.eval_placement(replicas)
+        on_all, by_rows = evaluation.eval_placement(replicas)
         return np.asarray(logits(*jax.device_put(weights, on_all), jax.device_put(x, by_rows)))
 
     one, four = on(1), on(4)

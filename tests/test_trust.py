@@ -13,7 +13,8 @@ import time
 import pytest
 
 import twinstep
-from twinstep import api, cli, ties
+from twinstep import api, cli
+from twinstep.checking import bounds, tie, trajectory
 
 
 def run_cli(argv, capsys) -> tuple[int, str]:
@@ -38,12 +39,12 @@ def test_a_control_that_cannot_fire_is_refused(capsys):
 # ------------------------------------------------------------------------- the verdicts
 
 
-def _report(bounds, errs) -> ties.TieReport:
+def _report(bounds, errs) -> tie.TieReport:
     """A TieReport of parameter rows with these bounds and errors (nothing computed)."""
     rows = [{"name": f"p{i}", "shape": [1], "rel_err": e, "abs_err": e, "bound": b,
              "ok": e <= b} for i, (b, e) in enumerate(zip(bounds, errs, strict=True))]
     loss = {"replica": 1.0, "single": 1.0, "rel_err": 0.0, "bound": 1e-12, "ok": True}
-    return ties.TieReport(ties.TieConfig(), rows, [], loss, 0.0, 0.0, True)
+    return tie.TieReport(tie.TieConfig(), rows, [], loss, 0.0, 0.0, True)
 
 
 def test_a_loose_bound_makes_a_tie_inconclusive_never_a_pass():
@@ -52,12 +53,12 @@ def test_a_loose_bound_makes_a_tie_inconclusive_never_a_pass():
     loose = _report([1e-10, 2e-2], [1e-12, 1e-5])  # p1 could hide a 1% bug
     assert loose.status == "inconclusive" and not loose.ok
     assert loose.verdict().startswith("inconclusive") and "p1" in loose.verdict()
-    assert ties.EXIT_CODES[loose.status] == 4 and loose.to_json()["status"] == "inconclusive"
+    assert bounds.EXIT_CODES[loose.status] == 4 and loose.to_json()["status"] == "inconclusive"
     failed = _report([1e-10, 2e-2], [1e-9, 1e-5])  # a failure is a failure, however loose
-    assert failed.status == "NOT tied" and ties.EXIT_CODES[failed.status] == 1
+    assert failed.status == "NOT tied" and bounds.EXIT_CODES[failed.status] == 1
     # the threshold is where it is claimed to be
-    at = _report([ties.INCONCLUSIVE_BOUND], [0.0])
-    over = _report([ties.INCONCLUSIVE_BOUND * 1.01], [0.0])
+    at = _report([bounds.INCONCLUSIVE_BOUND], [0.0])
+    over = _report([bounds.INCONCLUSIVE_BOUND * 1.01], [0.0])
     assert (at.status, over.status) == ("tied", "inconclusive")
 
 
@@ -65,7 +66,7 @@ def test_whole_step_reports_are_inconclusive_alike():
     rows = [{"name": "params/w", "shape": [1], "rel_err": 0.0, "sensitivity": 0.0, "ok": True,
              "bound": 5e-3}]
     loss = {"replica": 1.0, "single": 1.0, "rel_err": 0.0, "bound": 1e-12, "ok": True}
-    report = ties.StepsReport(ties.TieConfig(), [{"step": 1, "rows": rows, "loss": loss}])
+    report = trajectory.StepsReport(tie.TieConfig(), [{"step": 1, "rows": rows, "loss": loss}])
     assert report.status == "inconclusive" and "params/w (step 1)" in report.verdict()
     rows[0]["bound"] = 1e-10
     assert report.status == "tied"
@@ -198,7 +199,7 @@ def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys)
 
 
 def test_the_api_checks_a_config_before_anything_compiles():
-    cfg = ties.TieConfig()
+    cfg = tie.TieConfig()
     for field, value in (("replicas", 0), ("classes", 1), ("seed", -1), ("res", 33),
                          ("loss", "mse"), ("precision", "f16"), ("control", "nope")):
         with pytest.raises(twinstep.UsageError):
@@ -207,14 +208,14 @@ def test_the_api_checks_a_config_before_anything_compiles():
 
 @pytest.mark.parametrize("dtype,floor", [("float64", 1e-10), ("float32", 1e-4)])
 def test_a_bias_gradient_below_its_dtypes_floor_is_compared_against_zero(dtype, floor):
-    """`compare.grad_err`: a BN bias gradient under FLOOR x its gamma gradient's norm (a structural
+    """`bounds.grad_err`: a BN bias gradient under FLOOR x its gamma gradient's norm (a structural
     zero, or one no relative comparison can resolve) is held to zero on the gamma's scale; just
     above it, norm-relative as every other tensor."""
     import numpy as np
 
-    from twinstep.compare import FLOORS, grad_err
+    from twinstep.checking.bounds import PARAM_FLOOR, grad_err
 
-    assert FLOORS[dtype] == floor
+    assert PARAM_FLOOR[dtype] == floor
     gamma = np.full(4, 1.0, dtype)  # norm 2
     for scale, expected in ((0.4 * floor, "zero"), (1.5 * floor, "relative")):
         ref = {"bn.weight": gamma, "bn.bias": np.full(4, scale, dtype)}

@@ -12,8 +12,8 @@ does not start JAX, so the API can still ask JAX for R virtual CPU devices).
 from twinstep.errors import UsageError
 
 __version__ = "0.1.0"
-API = ("tie", "tie_steps", "tie_artifact", "render", "load_artifact", "recipe", "get_net",
-       "devices", "train", "join")
+API = ("tie", "tie_steps", "tie_render", "render", "load_render", "recipe", "get_net",
+       "devices", "train", "join", "tie_artifact", "load_artifact")
 __all__ = ["UsageError", "__version__", *API]
 
 

@@ -8,7 +8,6 @@ checked before anything compiles; bad ones raise `twinstep.UsageError` with one 
 
 from __future__ import annotations
 
-import json
 from typing import NamedTuple
 
 from twinstep.errors import UsageError
@@ -43,26 +42,28 @@ def join(coordinator: str | None = None, num_processes: int | None = None,
     coordinator (process 0) at ``coordinator`` HOST:PORT — or as the environment says (SLURM,
     JAX_COORDINATOR_ADDRESS); with neither, stay one process. Call before JAX's first operation,
     in every process; then `tie` and `train` run over every process's devices together
-    (`twinstep.hosts`). ``replicas``: how many replicas the processes will run together (on CPU
-    each process asks for its share of virtual devices). Raises `twinstep.errors.ClusterError`
-    when the runtime cannot be joined."""
-    from twinstep import dp, hosts
+    (`twinstep.processes.cluster`). ``replicas``: how many replicas the processes will run
+    together (on CPU each process asks for its share of virtual devices). Raises
+    `twinstep.errors.ClusterError` when the runtime cannot be joined."""
+    from twinstep import dp
+    from twinstep.processes import cluster
 
     dp.ensure_devices(-(-replicas // (num_processes or 1)))  # before JAX starts, as joining is
-    hosts.initialize(coordinator, num_processes, process_id)  # checks the flags first
+    cluster.initialize(coordinator, num_processes, process_id)  # checks the flags first
 
 
 def devices(replicas: int) -> None:
     """Make sure JAX has ``replicas`` devices: on CPU, ask for that many virtual devices, which
     is possible only before JAX's first operation. With several processes R is shared out
-    evenly (`twinstep.hosts.replica_devices`)."""
+    evenly (`twinstep.processes.cluster.replica_devices`)."""
     import jax
 
-    from twinstep import dp, hosts
+    from twinstep import dp
+    from twinstep.processes import cluster
 
     dp.ensure_devices(replicas)
-    if hosts.count() > 1:
-        hosts.replica_devices(replicas)  # refuses an R the processes cannot share
+    if cluster.count() > 1:
+        cluster.replica_devices(replicas)  # refuses an R the processes cannot share
         return
     have = len(jax.devices())
     if have < replicas:
@@ -72,52 +73,53 @@ def devices(replicas: int) -> None:
 
 
 def _one_process(what: str) -> None:
-    from twinstep import hosts
+    from twinstep.processes import cluster
 
-    if hosts.count() > 1:
+    if cluster.count() > 1:
         raise UsageError(f"{what} runs in one process so far: drop the process flags")
 
 
 def _x64(precision: str):
     """float64 for the call when the check is exact (f64, and bf16's f64 around bf16 convs)."""
-    from twinstep import runtime
+    from twinstep.processes import settings
 
-    return runtime.jax_settings(jax_enable_x64=precision in ("f64", "bf16"))
+    return settings.jax_settings(jax_enable_x64=precision in ("f64", "bf16"))
 
 
 def tie(net: str = "resnet50", progress=None, **config):
     """Tie one gradient step: R replicas of N against one device at R N, every parameter
     gradient, BN statistic, the loss and the running statistics. ``config``: the fields of
-    `twinstep.ties.TieConfig` (replicas, batch, res, classes, loss, precision, seed, shift,
-    control, state, fast_compile). Returns a `twinstep.ties.TieReport` (``.ok``, ``.verdict()``,
-    ``.to_json()``); ``progress(text)`` is told what runs now."""
-    from twinstep import ties
+    `twinstep.checking.tie.TieConfig` (replicas, batch, res, classes, loss, precision, seed,
+    shift, control, state, fast_compile). Returns a `twinstep.checking.tie.TieReport` (``.ok``,
+    ``.verdict()``, ``.to_json()``); ``progress(text)`` is told what runs now."""
+    from twinstep.checking.tie import TieConfig, run_tie
 
-    cfg = ties.TieConfig(net=net, **config)
+    cfg = TieConfig(net=net, **config)
     if cfg.recipe:
         raise UsageError("a recipe ties whole steps: call twinstep.tie_steps")
     devices(cfg.replicas)
     with _x64(cfg.precision):
-        return ties.run_tie(cfg, progress=progress)
+        return run_tie(cfg, progress=progress)
 
 
 def tie_steps(recipe: str, steps: int | None = None, progress=None, **config):
     """Tie ``steps`` (default 3) whole training steps of ``recipe`` (a name or preset) in
     float64: every parameter, optimizer-state, EMA and running-statistics tensor after every
     step. ``config``: TieConfig's fields (the net, batch and loss come from the recipe).
-    Returns a `twinstep.ties.StepsReport`."""
-    from twinstep import ties
+    Returns a `twinstep.checking.trajectory.StepsReport`."""
+    from twinstep.checking import trajectory
+    from twinstep.checking.tie import TieConfig
 
     net = config.pop("net", None) or parse_recipe(recipe).net
-    cfg = ties.TieConfig(net=net, recipe=recipe, **config)
+    cfg = TieConfig(net=net, recipe=recipe, **config)
     _one_process("a tie of whole steps (--recipe)")
     devices(cfg.replicas)
     with _x64(cfg.precision):
-        return ties.run_steps_tie(cfg, steps=ties.STEPS if steps is None else steps,
-                                  progress=progress)
+        return trajectory.run_steps_tie(cfg, steps=trajectory.STEPS if steps is None else steps,
+                                        progress=progress)
 
 
-class Artifact(NamedTuple):
+class LoadedRender(NamedTuple):
     """A render read back: the deserialized jax.export.Exported and its manifest (a dict)."""
 
     exported: object
@@ -125,108 +127,101 @@ class Artifact(NamedTuple):
     path: str
 
     def step(self, fast_compile: bool = False, donate: bool = False):
-        """The artifact as a train step (state, xs, ts, key) -> (state, {"loss", "lr"}), on the
+        """The render as a train step (state, xs, ts, key) -> (state, {"loss", "lr"}), on the
         manifest's R devices."""
-        from twinstep import program
+        from twinstep.rendering import reader
 
         devices(self.manifest["replicas"])
-        return program.artifact_program(self.exported, self.manifest, fast_compile, donate)
+        return reader.step(self.exported, self.manifest, fast_compile, donate)
 
 
-ARTIFACT_SUFFIXES = (".jaxexport", ".vmfb")  # XLA's serialized export; IREE's module
-
-
-def read_manifest(path: str) -> dict:
-    """The manifest (NAME.json) of the artifact NAME.jaxexport or NAME.vmfb, unchecked."""
-    suffix = next((s for s in ARTIFACT_SUFFIXES if path.endswith(s)), None)
-    if suffix is None:
-        raise UsageError(f"{path}: an artifact is a NAME.jaxexport or NAME.vmfb file from "
-                         f"'twinstep render'")
-    try:
-        with open(path[:-len(suffix)] + ".json") as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"cannot read the artifact's manifest: {e}") from None
-
-
-def load_artifact(path: str) -> Artifact:
+def load_render(path: str) -> LoadedRender:
     """NAME.jaxexport and the NAME.json beside it, checked against each other (sha256)."""
-    from twinstep import renders
+    from twinstep.rendering import reader
 
-    devices(read_manifest(path).get("replicas", 1))  # before JAX starts: its R devices
-    exported, manifest = renders.load(path)
-    return Artifact(exported, manifest, path)
+    devices(reader.read_manifest(path).get("replicas", 1))  # before JAX starts: its R devices
+    exported, manifest = reader.load(path)
+    return LoadedRender(exported, manifest, path)
 
 
-def tie_artifact(path: str, steps: int | None = None, seed: int = 0, shift: bool = True,
-                 fast_compile: bool = False, progress=None):
+def tie_render(path: str, steps: int | None = None, seed: int = 0, shift: bool = True,
+               fast_compile: bool = False, progress=None):
     """Tie a render's step (an f64 render) against the single-device Python step over ``steps``
     whole steps; net, R, N, resolution, classes and recipe come from its manifest. ``path``:
     NAME.jaxexport (the deserialized program on XLA, rendered for this platform) or NAME.vmfb
     ('render --target iree': IREE's module on IREE's CPU driver). Returns a
-    `twinstep.ties.StepsReport`."""
-    from twinstep import program, renders, ties
+    `twinstep.checking.trajectory.StepsReport`."""
+    from twinstep.checking import trajectory
+    from twinstep.checking.tie import TieConfig
+    from twinstep.rendering import reader
+    from twinstep.rendering.render import local_platform
 
-    _one_process("a tie of an artifact")
-    on_iree = path.endswith(renders.IREE_SUFFIX)
+    _one_process("a tie of a render")
+    on_iree = path.endswith(reader.IREE_SUFFIX)
     if on_iree:
-        vmfb, exported, m = renders.load_iree(path)
+        vmfb, exported, m = reader.load_iree(path)
     else:
-        art = load_artifact(path)
-        m = art.manifest
+        loaded = load_render(path)
+        m = loaded.manifest
     if m["precision"] != "f64":
         raise UsageError(f"{path} is a {m['precision']} render; the tie is exact in f64: render "
                          f"it again with --precision f64 (the same program in f64)")
-    if not on_iree and m["platform"] != renders.local_platform():
+    if not on_iree and m["platform"] != local_platform():
         raise UsageError(f"{path} was rendered for {m['platform']}; this process runs "
-                         f"{renders.local_platform()}")
-    cfg = ties.TieConfig(m["net"], m["replicas"], m["batch"], m["res"], m["classes"],
-                         parse_recipe(m["name"]).loss, "f64", seed, shift, "none", fast_compile,
-                         m["name"])
+                         f"{local_platform()}")
+    cfg = TieConfig(m["net"], m["replicas"], m["batch"], m["res"], m["classes"],
+                    parse_recipe(m["name"]).loss, "f64", seed, shift, "none", fast_compile,
+                    m["name"])
     with _x64("f64"):
-        replica = (program.iree_program(vmfb, exported, m) if on_iree
-                   else art.step(fast_compile, donate=True))
-        report = ties.run_steps_tie(cfg, steps=ties.STEPS if steps is None else steps,
-                                    progress=progress, replica=replica)
+        replica = (reader.iree_step(vmfb, exported, m) if on_iree
+                   else loaded.step(fast_compile, donate=True))
+        report = trajectory.run_steps_tie(cfg, steps=trajectory.STEPS if steps is None else steps,
+                                          progress=progress, replica=replica)
     report.artifact = path
     return report
+
+
+# the names of 0.1.0 (a render was also called an artifact)
+Artifact, load_artifact, tie_artifact = LoadedRender, load_render, tie_render
 
 
 def train(recipe: str, out: str, progress=None, warn=None, **config) -> dict:
     """Train recipe ``recipe`` (a name or preset) into RUN_DIR ``out`` with its tied step,
     continuing the run already there; returns the last evaluation ({"raw": {loss, top1, top5},
-    "ema": ...}). ``config``: the fields of `twinstep.trainer.TrainConfig` (data — "digits" or
-    an image folder —, replicas, batch, res, steps or epochs, eval_every, ckpt_every, keep,
-    log_every, precision, seed, workers, randaugment, mixup, cutmix, init_from, artifact,
-    resume, fast_compile); ``progress(step, metrics)`` is told of every step, ``warn(text)``
-    once of images that do not decode."""
-    from twinstep import files, trainer
+    "ema": ...}). ``config``: the fields of `twinstep.training.config.TrainConfig` (data —
+    "digits" or an image folder —, replicas, batch, res, steps or epochs, eval_every,
+    ckpt_every, keep, log_every, precision, seed, workers, randaugment, mixup, cutmix,
+    init_from, artifact, resume, fast_compile); ``progress(step, metrics)`` is told of every
+    step, ``warn(text)`` once of images that do not decode."""
+    from twinstep.processes import disk
+    from twinstep.training import loop
+    from twinstep.training.config import TrainConfig
 
-    cfg = trainer.TrainConfig(recipe, out, **config)
+    cfg = TrainConfig(recipe, out, **config)
     if cfg.artifact is not None:
         _one_process("training with --artifact")
-    files.check_writable_folder(out, "--out")
+    disk.check_writable_folder(out, "--out")
     devices(cfg.replicas)
     with _x64(cfg.precision):
-        return trainer.run(cfg, progress, warn)
+        return loop.run(cfg, progress, warn)
 
 
 def render(name: str, replicas: int = 1, out: str | None = None, **config):
     """Export recipe ``name``'s whole train step for an R-device mesh (no R devices needed).
-    ``config``: the fields of `twinstep.renders.RenderConfig` (res, classes, precision,
+    ``config``: the fields of `twinstep.rendering.render.RenderConfig` (res, classes, precision,
     platform, control, target). With ``out`` the three files are written there (and NAME.vmfb
-    with target="iree"). Returns a `twinstep.renders.Render` (``.exported``, ``.mlir``,
+    with target="iree"). Returns a `twinstep.rendering.render.Render` (``.exported``, ``.mlir``,
     ``.manifest``, ``.vmfb``)."""
-    from twinstep import files, renders
+    from twinstep.processes import disk
+    from twinstep.rendering.render import RenderConfig, make, write
 
-    cfg = renders.RenderConfig(name, replicas, **config)
+    cfg = RenderConfig(name, replicas, **config)
     if out is not None:
-        files.check_writable_folder(out, "out")
-    made = renders.render(cfg)
+        disk.check_writable_folder(out, "out")
+    made = make(cfg)
     if out is not None:
         try:
-            renders.write(made, out)
+            write(made, out)
         except OSError as e:
             raise UsageError(f"cannot write into {out}: {e}") from None
     return made
-

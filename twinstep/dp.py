@@ -12,8 +12,8 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from twinstep import hosts
 from twinstep.collectives import Replicas
+from twinstep.processes import cluster
 
 AXIS = "r"
 
@@ -32,10 +32,10 @@ def ensure_devices(count: int) -> None:
 def mesh(count: int) -> Mesh:
     """A 1-D mesh of ``count`` replicas (Auto axes: unsharded inputs are accepted): the first
     ``count`` devices, or with several processes the first count / P of each
-    (`twinstep.hosts.replica_devices`)."""
+    (`twinstep.processes.cluster.replica_devices`)."""
     devices = jax.devices()
-    if hosts.count() > 1:
-        return Mesh(np.array(hosts.replica_devices(count)), (AXIS,))
+    if cluster.count() > 1:
+        return Mesh(np.array(cluster.replica_devices(count)), (AXIS,))
     if count > len(devices):
         raise RuntimeError(
             f"{count} replicas need {count} devices; JAX sees {len(devices)}. On CPU, call "
@@ -57,8 +57,8 @@ def place(tree, specs, count: int):
     if count == 1:
         return tree
     where = shardings(specs, mesh(count))
-    if hosts.count() > 1:  # each process puts its own devices' shards
-        return hosts.placed(tree, where)
+    if cluster.count() > 1:  # each process puts its own devices' shards
+        return cluster.placed(tree, where)
     # copied, never aliased with ``tree``'s buffers: a program may donate the placed tree.
     # device_put(may_alias=False) still hands the first device the original buffer (jax 0.10.2),
     # so the copy is made first.

@@ -15,3 +15,8 @@ class ClusterError(RuntimeError):
 class BackendError(RuntimeError):
     """An optional backend (IREE, the [iree] extra) is missing or failed on a program: an
     environment error, exit 3 in one line."""
+
+
+class RenderError(UsageError):
+    """A render that cannot be made, or read back, as asked (a bad name, resolution or replica
+    count; a manifest or file that is not what the set says): exit 2 in one line."""

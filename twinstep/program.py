@@ -6,31 +6,29 @@ here are a step's mesh and ``shard_map`` specs chosen.
   train_program  TrainProgram: init(params, buffers) -> TrainState, and
                  step(state, xs [k, R N, S, S, 3], ts [k, R N, K], key) -> (state, metrics)
                  a recipe's whole step (`step.train_step`)
-  artifact_program   a render's deserialized step, callable like train_program's step
-  iree_program   a render compiled by IREE (NAME.vmfb), callable alike
+  eval_program   (params, buffers, x [N, S, S, 3]) -> logits [N, K], eval-mode BN, one device
+
+A render read back is a step too, callable like train_program's: `twinstep.rendering.reader`.
 
 At R = 1 a program is jit of the single-device function: `Replicas` emits no collective, so
 there is nothing to map. At R > 1 it is jit(shard_map) over the 1-D replica mesh: ``mesh=None``
 the first R devices (a runnable program), ``dp.abstract_mesh(R)`` no devices at all (the program
-`twinstep.renders` exports) — the same code either way.
+`twinstep.rendering.render` exports) — the same code either way.
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import NamedTuple
 
 import jax
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from twinstep import dp, hosts, optim, step
+from twinstep import dp, optim, step
 from twinstep.collectives import SINGLE
-from twinstep.errors import UsageError
 from twinstep.nets import Net, layers
 from twinstep.ops.precision import Precision, get_precision
+from twinstep.processes import cluster
 
 
 def context(replicas: int, precision: str | Precision, control: str = "none",
@@ -128,7 +126,7 @@ def train_program(net: Net, recipe, classes: int, replicas: int = 1,
 
     state = jax.eval_shape(init, params, buffers)
     ctx = context(replicas, prec, control, depthwise_path, dense_path)
-    if (replicas > 1 and shard_optimizer and not flat and hosts.count() == 1
+    if (replicas > 1 and shard_optimizer and not flat and cluster.count() == 1
             and recipe.optimizer not in optim.PER_TENSOR_NORMS):
         return _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh or
                                          dp.mesh(replicas), donate, fast_compile)
@@ -197,56 +195,3 @@ def _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh, donate: 
                               donate=(0,) if donate else ())
     return TrainProgram(opt, init, program, state, in_specs,
                         lambda st: dp.place(st, state_specs, count))
-
-
-def artifact_program(exported: jax.export.Exported, manifest: dict, fast_compile: bool = False,
-                     donate: bool = False):
-    """A render's deserialized step as train_program's step: (state, xs, ts, key) -> (state,
-    {"loss", "lr"}), its arguments checked against the manifest's signature (UsageError, one
-    line) and placed on the first R devices as the manifest shards them."""
-    r = manifest["replicas"]
-    inputs = manifest["inputs"]
-    state_args = tuple(range(len(inputs) - 3))  # all but xs, ts, key
-    call = dp.jit(exported.call, fast_compile, donate=state_args if donate else ())
-    mesh = dp.mesh(r) if r > 1 else None
-
-    def place(args):
-        if mesh is None:
-            return args
-        return [jax.device_put(a, NamedSharding(mesh, P(*i["spec"])))
-                for a, i in zip(args, inputs, strict=True)]
-
-    return _flat_step(inputs, lambda args: call(*place(args)))
-
-
-def iree_program(vmfb: bytes, exported: jax.export.Exported, manifest: dict):
-    """A render's IREE module (NAME.vmfb, `twinstep.iree_backend`) as train_program's step, on
-    IREE's CPU driver: host arrays in, host arrays out (single-device renders only). The
-    module's main takes only the inputs the program reads (``exported.module_kept_var_idx``:
-    jax.export drops the rest, e.g. the key of a step that draws no masks)."""
-    from twinstep import iree_backend
-
-    if manifest["replicas"] != 1:
-        raise UsageError("IREE runs single-device renders (R = 1) only")
-    call, kept = iree_backend.load(vmfb), sorted(exported.module_kept_var_idx)
-    return _flat_step(manifest["inputs"], lambda args: [
-        jax.numpy.asarray(o) for o in call(*(np.asarray(args[i]) for i in kept))])
-
-
-def _flat_step(inputs: list[dict], call):
-    """train_program's step over a flat render signature: state leaves, xs, ts and the key's
-    data in (checked against the manifest's ``inputs``), state leaves, loss and lr out."""
-    def run(state, xs, ts, key):
-        leaves, treedef = jax.tree.flatten(state)
-        args = [*leaves, xs, ts, jax.random.key_data(key)]
-        names = step.state_names(state) + ["xs", "ts", "key"]
-        want = [(n, list(np.shape(a)), str(a.dtype)) for n, a in zip(names, args, strict=True)]
-        have = [(i["name"], i["shape"], i["dtype"]) for i in inputs]
-        if want != have:
-            diff = next((w, h) for w, h in itertools.zip_longest(want, have) if w != h)
-            raise UsageError(f"the artifact's inputs differ from this step's: it takes {diff[1]}"
-                             f" where this step has {diff[0]}")
-        *leaves, loss, lr = call(args)
-        return jax.tree.unflatten(treedef, leaves), {"loss": loss, "lr": lr}
-
-    return run

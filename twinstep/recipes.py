@@ -1,20 +1,9 @@
 """Recipes: a training configuration as a value with a name (docs/recipes.md).
 
-A `Recipe` is a frozen dataclass. Its name follows the grammar
-
-    <net><data>[<res>]_[ema]<opt>[acc][dp][<k>x][<N>][wx][clip][drop][do][bce][ls<a>][wd<d>][bf16]
-
-e.g. ``resnet50in160_lambaccdp4x128wxclipbcebf16``. `parse` reads a name (or a preset's name,
-``rsb-a1``) into a Recipe; `Recipe.name` writes it back. The replica count R is not in the name:
-it is the mesh the step is rendered for.
-
-One recipe has exactly one name, so `parse` accepts only the canonical spelling and says which
-token to change otherwise: an explicit ``32`` (the default N), ``adamacc`` (AdamW with
-accumulation is ``acc`` alone), leading zeros (``dp064``) and trailing zeros in a decimal
-(``wd010``) are rejected. With that, name -> recipe -> name round-trips exactly.
-
-The hyper-parameters not in the name take the defaults below (docs/recipes.md, and timm); the
-presets set them from the table.
+A `Recipe` is a frozen dataclass; `parse` reads a grammar name (`GRAMMAR`, e.g.
+``resnet50in160_lambaccdp4x128wxclipbcebf16``) or a preset's name (``rsb-a1``) into one, and
+`Recipe.name` writes it back. A recipe has exactly one name: `parse` accepts only the canonical
+spelling and names the token to change otherwise, so name -> recipe -> name round-trips.
 """
 
 from __future__ import annotations
@@ -24,19 +13,13 @@ import re
 from decimal import Decimal
 
 from twinstep.defaults import EMA_DECAY, EMA_WARMUPS, LABEL_SMOOTHING
+from twinstep.nets import NETS
 
-NET_RES = {"resnet50": 224, "mnv4": 256}  # the net's default train resolution
 DATASETS = {"in": "ImageNet-1k"}
 OPTIMIZERS = {  # optimizer -> its name token ("" for AdamW with accumulation: "acc" alone)
     "lamb": "lamb", "adamw": "adam", "momentum": "mom", "sgd": "sgd"}
-OPTIMIZER_TEXT = {
-    "lamb": "LAMB: β 0.9/0.999, ε 1e-6, per-tensor trust ratio",
-    "adamw": "AdamW: β 0.9/0.999, ε 1e-8, decoupled decay",
-    "momentum": "SGD, heavy-ball momentum 0.9",
-    "sgd": "SGD, Nesterov momentum 0.9 (timm --opt sgd)"}
 DEFAULT_LR = {"lamb": 5e-3, "adamw": 4e-3, "momentum": 0.1, "sgd": 0.1}
 DEFAULT_WEIGHT_DECAY = {"lamb": 0.02, "adamw": 0.05, "momentum": 1e-4, "sgd": 1e-4}
-DEFAULT_DROP_PATH = {"resnet50": 0.05, "mnv4": 0.075}
 DEFAULT_BATCH = 32
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
@@ -47,16 +30,12 @@ class RecipeError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
-    """One training configuration. The fields up to `bf16` are the name's; the rest are not in
-    the name, so `Recipe.name` is lossy for them (a preset's name parses back to a recipe with
-    the default lr, epochs, ...).
-
-    Defaults not in the name: `lr` None -> the optimizer's (LAMB 5e-3, AdamW 4e-3, SGD 0.1: the
-    table's and timm's), `drop_path_rate` None -> the net's (ResNet-50 0.05, MNv4 0.075), both
-    always floats after construction (pass None to `dataclasses.replace` to re-derive them);
-    `dropout_rate` 0.2; `bce_threshold` None (timm ``--bce-target-thresh``); EMA decay 0.9999 with
-    no warmup; 10 warmup steps of 100 — a smoke run's schedule, the presets set the real one.
-    """
+    """One training configuration; checks itself on construction (RecipeError). The fields up
+    to `bf16` are the name's; `Recipe.name` is lossy for the rest (a preset's name parses back
+    to a recipe with the default lr, epochs, ...). `lr` None takes `DEFAULT_LR`'s and
+    `drop_path_rate` None the net's (`twinstep.nets.Net.DROP_PATH_RATE`): both are floats after
+    construction (pass None to `dataclasses.replace` to re-derive them). The schedule defaults
+    to a smoke run's, 10 warmup steps of 100; the presets set the real one (docs/recipes.md)."""
 
     net: str
     dataset: str = "in"
@@ -98,8 +77,8 @@ class Recipe:
         def put(field, value):
             object.__setattr__(self, field, value)
 
-        if self.net not in NET_RES:
-            fail(f"net {self.net!r}; expected one of: {', '.join(NET_RES)}")
+        if self.net not in NETS:
+            fail(f"net {self.net!r}; expected one of: {', '.join(NETS)}")
         if self.dataset not in DATASETS:
             fail(f"dataset {self.dataset!r}; expected one of: {', '.join(DATASETS)}")
         if self.optimizer not in OPTIMIZERS:
@@ -109,7 +88,7 @@ class Recipe:
         if self.lr is None:
             put("lr", DEFAULT_LR[self.optimizer])
         if self.drop_path_rate is None:
-            put("drop_path_rate", DEFAULT_DROP_PATH[self.net])
+            put("drop_path_rate", NETS[self.net].DROP_PATH_RATE)
         for field in ("label_smoothing", "weight_decay", "lr", "drop_path_rate", "dropout_rate",
                       "bce_threshold", "ema_decay", "warmup_lr", "mixup", "cutmix"):
             value = getattr(self, field)
@@ -157,7 +136,7 @@ class Recipe:
 
     @property
     def train_res(self) -> int:
-        return NET_RES[self.net] if self.res is None else self.res
+        return NETS[self.net].TRAIN_RES if self.res is None else self.res
 
     @property
     def loss(self) -> str:
@@ -280,9 +259,9 @@ def _parse_grammar(name: str) -> Recipe:
     if len(name) > MAX_NAME or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         fail(f"a name is at most {MAX_NAME} ASCII letters, digits, '_', '-' and '.'")
     head, sep, tail = name.partition("_")
-    net = next((n for n in NET_RES if head.startswith(n)), None)
+    net = next((n for n in NETS if head.startswith(n)), None)
     if net is None:
-        fail(f"unknown net in {head!r}; expected one of: {', '.join(NET_RES)}")
+        fail(f"unknown net in {head!r}; expected one of: {', '.join(NETS)}")
     if not sep:
         fail(f"missing '_' after <net><data>[<res>]; expected {GRAMMAR}")
     m = re.compile("[a-z]*").match(head, len(net))
@@ -382,58 +361,3 @@ REFERENCE_NAMES = (
     "mnv4in_accdp8x128wxdropdowd01bf16",
     "mnv4in_adamdp64",
 )
-
-
-def describe(recipe: Recipe, replicas: int | None = None) -> list[tuple[str, str]]:
-    """(field, value) rows for printing: every field, the canonical name, and R·N·k when R is
-    given."""
-    r = recipe
-
-    def yes(flag: bool, text: str) -> str:
-        return text if flag else "no"
-
-    wd = r.effective_weight_decay
-    ls = r.effective_label_smoothing
-    rows = [
-        ("name", r.name),
-        ("net", r.net),
-        ("dataset", f"{r.dataset} ({DATASETS[r.dataset]})"),
-        ("res", f"{r.train_res}" + (" (the net's default)" if r.res is None else "")),
-        ("optimizer", f"{r.optimizer} ({OPTIMIZER_TEXT[r.optimizer]})"),
-        ("lr", f"{r.lr:g}" + (" (the optimizer's default)" if r.lr == DEFAULT_LR[r.optimizer]
-                               else "")),
-        ("weight_decay", f"{wd:g}" + (" (the optimizer's default)" if r.weight_decay is None
-                                      else "")),
-        ("wx", yes(r.wx, "yes: no weight decay on 1-D tensors")),
-        ("accum", f"k = {r.accum}" + (" micro-steps per optimizer step" if r.accum > 1 else "")),
-        ("dp", yes(r.dp, "yes: data-parallel, synchronised BatchNorm")),
-        ("batch", f"N = {r.batch} per replica"),
-    ]
-    if replicas is not None:
-        rows.append(("effective batch", f"R·N·k = {replicas}·{r.batch}·{r.accum} = "
-                                        f"{r.effective_batch(replicas)}"))
-    rows += [
-        ("clip", yes(r.clip, "yes: global norm 1.0 of the averaged gradient")),
-        ("drop", yes(r.drop, "yes: stochastic depth")),
-        ("drop_path_rate", f"{r.drop_path_rate:g}" + ("" if r.drop else " (unused)")),
-        ("dropout", yes(r.dropout, "yes: classifier dropout")),
-        ("dropout_rate", f"{r.dropout_rate:g}" + ("" if r.dropout else " (unused)")),
-        ("bce", "yes: BCE-with-logits" if r.bce else "no: softmax CE"),
-        ("bce_threshold", "none" if r.bce_threshold is None else f"{r.bce_threshold:g}"),
-        ("label_smoothing", f"{ls:g}" + (" (the loss's default)" if r.label_smoothing is None
-                                         else "")),
-        ("bf16", "yes: bf16 conv operands and results" if r.bf16 else "no: f32"),
-        ("ema", yes(r.ema, "yes: EMA of weights and running statistics")),
-        ("ema_decay", f"{r.ema_decay:g}" + ("" if r.ema else " (unused)")),
-        ("ema_warmup", r.ema_warmup + ("" if r.ema else " (unused)")),
-        ("warmup_steps", f"{r.warmup_steps:,} (linear)"),
-        ("total_steps", f"{r.total_steps:,} (cosine)"),
-        ("epochs", "-" if r.epochs is None else str(r.epochs)),
-        ("warmup_lr", f"{r.warmup_lr:g}"),
-        ("randaugment", "-" if r.randaugment is None else f"rand-m{r.randaugment}-mstd0.5-inc1"),
-        ("mixup", f"alpha {r.mixup:g}" if r.mixup else "-"),
-        ("cutmix", f"alpha {r.cutmix:g}" if r.cutmix else "-"),
-        ("repeated_aug", "-" if r.repeated_aug == 1
-         else f"{r.repeated_aug} (recorded; twinstep train does not repeat)"),
-    ]
-    return rows

@@ -112,8 +112,8 @@ def train_batch(src, augment: Augment, seed: int, step: int, micro: int, rows: i
                 dtype, part: slice | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """(xs [k, R N, S, S, 3], ts [k, R N, K], images skipped) of step ``step``: k micro-batches
     of R N rows, each mixed over its R N rows when the recipe mixes. ``part``: only these rows
-    of each micro-batch (a process's own, `twinstep.hosts.local_rows`), each equal to its row
-    of the whole batch; a mix also decodes the rows they are mixed with."""
+    of each micro-batch (a process's own, `twinstep.processes.cluster.local_rows`), each equal to
+    its row of the whole batch; a mix also decodes the rows they are mixed with."""
     idx = batches.indices(seed, step, micro * rows, len(src.train_labels)).reshape(micro, rows)
     own = np.arange(rows)[part if part is not None else slice(None)]
     need = own if augment.mix is None else np.union1d(own, rows - 1 - own)

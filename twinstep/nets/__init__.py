@@ -1,4 +1,8 @@
-"""The networks, one module each; a net module is a `Net` (the interface its callers use)."""
+"""The networks, one module each; a net module is a `Net` (the interface its callers use).
+
+Adding a network is one new file here implementing `Net` and one line in `NETS`; the recipes,
+the tie, the trainer, renders and the tests take every net from `NETS` (docs/nets.md).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ class Net(Protocol):
     FEATURES: int  # the classifier's input width D (its weight is [K, D])
     DROP_PATH_SITES: tuple[str, ...]  # block prefixes whose residual branch drop-path masks
     MASKS: tuple[str, ...]  # the keyword mask arguments `forward` accepts, e.g. ("drop_path",)
+    TRAIN_RES: int  # the default training resolution of a recipe for this net (no <res> token)
+    DROP_PATH_RATE: float  # the default stochastic-depth rate of a recipe with 'drop'
 
     def param_shapes(self, num_classes: int = 1000) -> dict[str, tuple[int, ...]]:
         """{timm name: shape} in timm's ``named_parameters()`` order; the classifier is

@@ -1,5 +1,5 @@
 """`twinstep launch --local P -- COMMAND ...`: P processes of one twinstep command on this host,
-joined into one runtime (`twinstep.hosts`), as ``torchrun --standalone`` starts them.
+joined into one runtime (`twinstep.processes.cluster`), as ``torchrun --standalone`` starts them.
 
 Process i runs ``twinstep COMMAND ... --coordinator localhost:PORT --num-processes P
 --process-id i``; its output lines come back prefixed ``[i]``. The first process to fail —

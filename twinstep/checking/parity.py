@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from twinstep import program
-from twinstep.compare import grad_err, rel
+from twinstep.checking.bounds import grad_err, rel
 from twinstep.nets import layers
 from twinstep.ops import loss as losses
 from twinstep.ops.precision import get_precision

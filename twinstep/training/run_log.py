@@ -25,7 +25,7 @@ The events go through tensorboardX's synchronous ``EventsWriter``, not ``Summary
 one queues events to a thread which flushes every ``flush_secs`` (its ``flush()`` does not wait
 for the queue), so a kill could lose points at steps <= T that the resumed run never rewrites.
 
-``import twinstep.runlog`` imports only the standard library: tensorboardX is imported by
+``import twinstep.training.run_log`` imports only the standard library: tensorboardX is imported by
 `RunLog`, matplotlib by `plot`.
 """
 
@@ -38,8 +38,8 @@ import os
 import sys
 import time
 
-from twinstep import files
 from twinstep.errors import UsageError
+from twinstep.processes import disk
 
 METRICS = "metrics.jsonl"
 TB = "tb"
@@ -101,7 +101,7 @@ def _truncate(path: str, step: int) -> None:
         data = f.read()
     kept = b"".join(line for line, record in _parse(path, data) if record["step"] <= step)
     if kept != data:
-        files.publish({path: kept})
+        disk.publish({path: kept})
 
 
 class RunLog:
@@ -220,7 +220,7 @@ def plot(run_dir: str, out: str | None = None) -> str:
     path = out if out is not None else os.path.join(run_dir, CURVES)
     if not path.lower().endswith(".png"):
         raise UsageError(f"--out {path}: a .png file name")
-    files.check_writable_file(path, "--out")
+    disk.check_writable_file(path, "--out")
 
     # matplotlib's object API with the Agg canvas: no pyplot, so no global backend to switch
     # in a caller's process (a notebook's, say)
@@ -252,5 +252,5 @@ def plot(run_dir: str, out: str | None = None) -> str:
     fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
-    files.publish({path: png.getvalue()})
+    disk.publish({path: png.getvalue()})
     return path

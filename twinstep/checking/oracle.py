@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from twinstep import dp
+from twinstep.checking.bounds import rel as rel_err
 from twinstep.collectives import SINGLE, Replicas
-from twinstep.compare import rel as rel_err
 from twinstep.ops import activation, batchnorm, conv, dense, elementwise, loss, pool
 from twinstep.ops.precision import F64
 

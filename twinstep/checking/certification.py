@@ -1,5 +1,5 @@
 """The op library's certification report (``twinstep certify``, ``make demo``): every oracle
-of `twinstep.oracle` at fixed small shapes, and every negative control, in one table."""
+of `twinstep.checking.oracle` at fixed small shapes, and every negative control, in one table."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from twinstep import oracle
+from twinstep.checking import oracle
 from twinstep.errors import UsageError
 
 N = 2  # examples per replica in the data-parallel facts

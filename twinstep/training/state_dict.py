@@ -8,19 +8,30 @@
 
 A state dict here is {timm name: numpy array}; checkpoints that wrap it (``{"state_dict": …}``,
 ``{"model": …}``) are unwrapped, and ``num_batches_tracked`` counters are dropped on load.
+
+What a training run reads and writes through them: `initial_state` (timm's initialisation, or
+``--init-from``'s weights) and `write_from_run` (``twinstep weights RUN_DIR``).
 """
 
 from __future__ import annotations
 
 import collections
 import io
+import os
 import pickle
 import struct
 import zipfile
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from twinstep.errors import UsageError
+from twinstep.nets import layers
+from twinstep.ops.precision import get_precision
+from twinstep.processes import disk
 
 _STORAGES = {"FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
              "BFloat16Storage": ml_dtypes.bfloat16, "LongStorage": np.int64,
@@ -164,8 +175,6 @@ def _save_pth(path: Path, arrays: dict) -> None:
 def to_net(net, state: dict, dtype=np.float32) -> tuple[dict, dict, int]:
     """Split a timm state dict into (params, buffers, K) for ``net``, checking every name and
     shape against the net's (K is read off the classifier)."""
-    from twinstep.nets import layers
-
     classifier = list(net.param_shapes(1))[-2]
     if classifier not in state:
         raise KeyError(f"not a {net.NAME} state dict: no {classifier}")
@@ -183,3 +192,57 @@ def to_net(net, state: dict, dtype=np.float32) -> tuple[dict, dict, int]:
     params = {n: np.asarray(state[n], dtype) for n in shapes}
     buffers = {n: np.asarray(state[n], dtype) for n in buffer_shapes}
     return params, buffers, k
+
+
+FORMATS = ("safetensors", "pth")
+
+
+def write_from_run(run_dir: str, fmt: str = "safetensors", ema: bool = False,
+                   out: str | None = None) -> str:
+    """Write RUN_DIR's latest weights — parameters and BN running statistics, or their EMA — as a
+    timm state dict (float32, timm's names) that ``timm.create_model(TIMM_NAME, num_classes=K,
+    pretrained=True, pretrained_cfg_overlay=dict(file=PATH, num_classes=K))`` loads (without K in
+    the overlay timm drops a classifier whose size is not its pretrained 1000). Returns the
+    path."""
+    from twinstep.training.checkpoint import FOLDER, load_state
+
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown --format {fmt!r}; choose from {', '.join(FORMATS)}")
+    if not os.path.isdir(os.path.join(run_dir, FOLDER)):
+        raise UsageError(f"{run_dir}: no checkpoints/ here (a RUN_DIR of 'twinstep train')")
+    state = load_state(run_dir)
+    if ema:
+        if not state.get("ema"):
+            raise UsageError(f"{run_dir}: this run has no EMA (its recipe has no 'ema' token)")
+        averaged = state["ema"]
+        params, buffers = averaged if isinstance(averaged, (list, tuple)) else (
+            averaged["0"], averaged["1"])
+    else:
+        params, buffers = state["params"], state["buffers"]
+    path = out or os.path.join(run_dir, f"model{'_ema' if ema else ''}.{fmt}")
+    if not path.endswith("." + fmt):
+        raise UsageError(f"--out {path}: a .{fmt} file name for --format {fmt}")
+    disk.check_writable_file(path, "--out")
+    save(path, {k: np.asarray(v, np.float32) for k, v in {**params, **buffers}.items()})
+    return path
+
+
+def initial_state(cfg, net, prog, classes: int):
+    """``prog``'s state at step 0 for the run ``cfg`` (a `TrainConfig`): timm's initialisation
+    (zero-init last BN gammas), or --init-from's weights — all of them but a classifier of
+    another width, which keeps its initialisation (fine-tuning to K classes, as timm resets
+    it)."""
+    prec = get_precision(cfg.precision)
+    shapes = net.param_shapes(classes)
+    params = layers.init_params(jax.random.key(cfg.seed), shapes, net.zero_init_bns(), prec.dtype)
+    buffers = layers.init_buffers(shapes, prec.dtype)
+    if cfg.init_from is not None:
+        try:
+            loaded, loaded_buffers, k = to_net(net, load(cfg.init_from), prec.dtype)
+        except (KeyError, ValueError, OSError) as e:
+            raise UsageError(f"--init-from {cfg.init_from}: {str(e).splitlines()[0]}") from None
+        head = list(shapes)[-2:] if k != classes else []
+        params = {n: params[n] if n in head else jnp.asarray(loaded[n]) for n in shapes}
+        buffers = {n: jnp.asarray(v) for n, v in loaded_buffers.items()}
+    return prog.init(params, buffers)
+

@@ -1,13 +1,13 @@
 """Run a twinstep render with no model code: jax, numpy and the render's manifest only.
 
-    python artifact.py NAME.jaxexport --inputs IN.npz --outputs OUT.npz [--fast-compile]
+    python runner.py NAME.jaxexport --inputs IN.npz --outputs OUT.npz [--fast-compile]
 
-IN.npz holds one array per input of the manifest (NAME.json beside the artifact), by name:
+IN.npz holds one array per input of the manifest (NAME.json beside the render), by name:
 every state leaf ("step", "params/conv1.weight", ...), "xs", "ts" and "key". OUT.npz receives
-one array per output: the state after the step, "loss" and "lr". The artifact runs on the first
+one array per output: the state after the step, "loss" and "lr". The render runs on the first
 R devices (on CPU this script asks XLA for R virtual devices), its arguments sharded as the
 manifest's specs say. This file imports nothing from twinstep, so that it can be copied next to
-an artifact and run where twinstep is not installed.
+a render and run where twinstep is not installed.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def load_checked(path: str) -> tuple[dict, bytes]:
     """(manifest, serialized program): NAME.mlir and NAME.jaxexport must have the sha256 their
     manifest NAME.json holds (twinstep writes the manifest last), or the set is refused."""
     if not path.endswith(".jaxexport"):
-        raise Refused(f"{path}: an artifact is a NAME.jaxexport file")
+        raise Refused(f"{path}: a render is a NAME.jaxexport file")
     stem = path[:-len(".jaxexport")]
     try:
         manifest = json.loads(_read(stem + ".json"))
@@ -62,7 +62,7 @@ def load_checked(path: str) -> tuple[dict, bytes]:
 
 
 def run(args) -> int:
-    manifest, blob = load_checked(args.artifact)
+    manifest, blob = load_checked(args.render)
     r = manifest["mesh"]["size"]
     if "jax" not in sys.modules:  # R virtual CPU devices (ignored by GPU backends)
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -76,11 +76,11 @@ def run(args) -> int:
     try:
         exported = jax.export.deserialize(bytearray(blob))
     except Exception as e:  # noqa: BLE001 - any failure to deserialize is a bad file
-        raise Refused(f"{args.artifact} cannot be deserialized ({type(e).__name__})") from None
+        raise Refused(f"{args.render} cannot be deserialized ({type(e).__name__})") from None
     signature = [(list(a.shape), str(a.dtype)) for a in exported.in_avals]
     if exported.nr_devices != r or signature != [(i["shape"], i["dtype"])
                                                  for i in manifest["inputs"]]:
-        raise Refused(f"{args.artifact}: its devices or inputs differ from its manifest's")
+        raise Refused(f"{args.render}: its devices or inputs differ from its manifest's")
     try:
         inputs = np.load(args.inputs)
     except (OSError, ValueError) as e:
@@ -92,17 +92,17 @@ def run(args) -> int:
     for i in manifest["inputs"]:  # no silent casts or broadcasts
         a = inputs[i["name"]]
         if list(a.shape) != i["shape"] or str(a.dtype) != i["dtype"]:
-            raise Refused(f"input {i['name']} is {a.dtype}{list(a.shape)}; the artifact takes "
+            raise Refused(f"input {i['name']} is {a.dtype}{list(a.shape)}; the render takes "
                           f"{i['dtype']}{i['shape']}")
     if len(jax.devices()) < r:
-        raise Refused(f"the artifact runs on {r} devices; this process has {len(jax.devices())}")
+        raise Refused(f"the render runs on {r} devices; this process has {len(jax.devices())}")
     mesh = Mesh(np.array(jax.devices()[:r]), (manifest["mesh"]["axis"],))
     placed = [jax.device_put(inputs[i["name"]], NamedSharding(mesh, PartitionSpec(*i["spec"])))
               for i in manifest["inputs"]]
     outputs = jax.jit(exported.call,
                       compiler_options=FAST_COMPILE if args.fast_compile else None)(*placed)
     folder = os.path.dirname(os.path.abspath(args.outputs))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".artifact-", suffix=".npz")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".render-", suffix=".npz")
     try:  # whole or absent: written aside, then renamed into place
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **{o["name"]: np.asarray(v)
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     """Exit 0 written, 2 bad usage or input, 3 an internal error, 130 interrupted; errors are one
     line on stderr."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("artifact", help="NAME.jaxexport (NAME.json and NAME.mlir beside it)")
+    p.add_argument("render", help="NAME.jaxexport (NAME.json and NAME.mlir beside it)")
     p.add_argument("--inputs", required=True, help=".npz with one array per manifest input")
     p.add_argument("--outputs", required=True, help=".npz to write the outputs to")
     p.add_argument("--fast-compile", action="store_true",
@@ -127,13 +127,13 @@ def main(argv=None) -> int:
     try:
         return run(args)
     except Refused as e:
-        print(f"artifact.py: {e}", file=sys.stderr)
+        print(f"runner.py: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("artifact.py: interrupted", file=sys.stderr)
+        print("runner.py: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the verdict is the exit status, the cause one line
-        print(f"artifact.py: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"runner.py: internal error: {type(e).__name__}: {e}", file=sys.stderr)
         return 3
 
 

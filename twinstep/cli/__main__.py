@@ -1,0 +1,3 @@
+from twinstep.cli.main import entry
+
+entry()

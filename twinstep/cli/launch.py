@@ -1,0 +1,38 @@
+"""``twinstep launch --local P -- COMMAND``: P processes of a command on this host, joined into
+one JAX runtime, as ``torchrun --standalone`` does (docs/hosts.md#one-host-many-processes)."""
+
+from __future__ import annotations
+
+import argparse
+
+from twinstep.cli import options
+
+
+def add(p) -> None:
+    from twinstep.processes.launcher import GRACE_S
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = (
+        "Start P processes of a twinstep command on this host, joined into one JAX runtime: "
+        "process i runs\nthe command with --coordinator localhost:PORT --num-processes P "
+        "--process-id i, its output prefixed\n[i]. The first process to fail stops the others "
+        f"(SIGTERM, SIGKILL after {GRACE_S} s). On several hosts, run\nthe command on each with "
+        "those flags, or under srun (docs/hosts.md).\n\n"
+        "Exit 0 when every process ends with 0, else the failed process's status (3 for a "
+        "signal or a status\noutside the contract); 130 interrupted.\n\n"
+        "example: twinstep launch --local 2 -- train mnv4in_adamdp --data digits --replicas 4 "
+        "--out run")
+    options.count(p, "--local", None, "processes to start on this host", "P", required=True)
+    p.add_argument("--port", type=options.int_in(1, 65536), metavar="PORT",
+                   help="the coordinator's port (default: a free one)")
+    options.count(p, "--gpus-per-process", None, "give process i GPUs i*G .. (i+1)*G-1 "
+                                                 "(JAX_LOCAL_DEVICE_IDS); default: JAX's", "G")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                   help="the twinstep command each process runs (train or tie)")
+
+
+def run(args, parser) -> int:
+    from twinstep.processes import launcher
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    return launcher.run(args.local, cmd, args.port, args.gpus_per_process)

@@ -1,0 +1,132 @@
+"""The ``twinstep`` command line: the command table, the parser, and the exit status contract.
+
+Each command is a module of this package (``twinstep.cli.<command>``) with ``add(parser)``,
+which fills the command's parser, and ``run(args, parser) -> int``, which does the command
+through the Python API (`twinstep.api`) and reports usage errors through its parser. Only the
+command asked for is imported, so that ``--help`` and ``--version`` answer at once.
+
+Exit status: 0 success, 1 a check failed, 2 bad usage or input, 3 an internal or environment
+error (one line; TWINSTEP_DEBUG=1 shows the traceback), 4 inconclusive, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from twinstep import __version__
+from twinstep.cli.options import Parser
+from twinstep.errors import BackendError, ClusterError, UsageError
+
+COMMANDS = {  # each command's line in 'twinstep --help'; its module is twinstep.cli.<command>
+    "certify": "certify the op library's hand-written VJPs (float64)",
+    "info": "tensor, scalar and BN counts and forward GMACs of a net",
+    "recipe": "decode a recipe name (or a preset) and print every field",
+    "parity": "the net against timm + torch autograd, same random weights",
+    "tie": "the R-replica sync-BN step against the single-device step at R*N",
+    "render": "export a recipe's whole train step to StableHLO (jax.export)",
+    "train": "train a recipe with its tied step: data, checkpoints, evaluation, logs",
+    "weights": "a training run's weights as a timm state dict (.safetensors or .pth)",
+    "plot": "a training run's curves as a PNG (loss, lr, val top-1)",
+    "launch": "run train or tie as P processes on this host, joined into one runtime",
+}
+ALIASES = {"export": "weights"}  # the names of 0.1.0
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The command an argument list names (an alias resolved), if any."""
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    return ALIASES.get(chosen, chosen)
+
+
+def build_parser(argv=None) -> argparse.ArgumentParser:
+    """The parser. Only the command in ``argv`` gets its options (listing them imports what they
+    name: nets, controls, JAX); the others are a name and a line."""
+    chosen = command_of(sys.argv[1:] if argv is None else argv)
+    p = Parser(
+        prog="twinstep",
+        description="Data-parallel ResNet-50 and MobileNetV4-Conv-M with synchronised BatchNorm, "
+                    "checked parameter by parameter against the single-device step at R*N.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run 'twinstep COMMAND --help' for a command's options.\n\n"
+               "Exit status: 0 success (tied, certified, written); 1 a check failed (not tied, "
+               "not\ncertified); 2 bad usage or input; 3 an internal or environment error; 4 "
+               "inconclusive (a\ntie within its bounds, but a bound too loose to see a 1e-3 "
+               "bug); 130 interrupted.\nErrors are one line on stderr; --debug shows the "
+               "traceback.")
+    p.add_argument("--version", action="version", version=f"twinstep {__version__}")
+    p.add_argument("--debug", action="store_true",
+                   help="show the traceback of an internal error (also TWINSTEP_DEBUG=1)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    p.commands = {}  # each command's own parser
+    for name, line in COMMANDS.items():
+        aliases = [a for a, n in ALIASES.items() if n == name]
+        p.commands[name] = sub.add_parser(name, help=line, aliases=aliases)
+        if name == chosen:
+            _module(name).add(p.commands[name])
+    return p
+
+
+def _module(name: str):
+    return importlib.import_module(f"twinstep.cli.{name}")
+
+
+def main(argv=None) -> int:
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    name = ALIASES.get(args.command, args.command)
+    try:
+        if isinstance(getattr(args, "json", None), str):
+            from twinstep.processes import disk
+
+            disk.check_writable_file(args.json, "--json")
+        return _module(name).run(args, parser.commands[name])
+    except UsageError as e:
+        print(f"twinstep {args.command}: {e}", file=sys.stderr)
+        return 2
+    except (ClusterError, BackendError) as e:
+        print(f"twinstep {args.command}: {e}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print(f"twinstep {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the verdict is the exit status, the cause one line
+        if args.debug or os.environ.get("TWINSTEP_DEBUG"):
+            raise
+        print(f"twinstep {args.command}: internal error: {type(e).__name__}: {e} "
+              f"(TWINSTEP_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 3
+
+
+def _on_interrupt(signum, frame) -> None:
+    """Ctrl-C in the executable: one line and exit 130 at once (os._exit: no teardown, which can
+    crash while XLA's threads run, and no KeyboardInterrupt for a callback to swallow) — unless
+    files are being published, which then finish first (`twinstep.processes.disk.publish`)."""
+    from twinstep.processes import disk
+
+    if disk.publishing:
+        disk.interrupted = True
+        return
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    sys.stdout.flush()
+    known = command in COMMANDS or command in ALIASES
+    print(f"twinstep{' ' + command if known else ''}: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+def entry() -> None:
+    """The ``twinstep`` executable: main's status as the process's, Ctrl-C as `_on_interrupt`."""
+    import signal
+
+    signal.signal(signal.SIGINT, _on_interrupt)
+    status = main()
+    if status == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

@@ -1,0 +1,136 @@
+"""``twinstep train RECIPE --out RUN_DIR``: the recipe's tied step looped over real data, with
+checkpoints, evaluation and logs (docs/training.md)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import sys
+
+from rich.console import Console
+
+from twinstep.cli import options
+
+
+def add(p) -> None:
+    from twinstep.ops.precision import NAMES as PRECISIONS
+    from twinstep.training.config import MAX_WORKERS, TrainConfig
+
+    default = options.defaults(TrainConfig)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = (
+        "Train RECIPE's net with the recipe's whole train step — the program 'twinstep tie "
+        "--recipe' ties to the\nsingle device — on R replicas, every BatchNorm synchronised. "
+        "RUN_DIR gets config.json, metrics.jsonl,\ntb/ (TensorBoard) and checkpoints/; running "
+        "again with the same --out continues the run from its\nlatest checkpoint, bit for bit. "
+        "--data is 'digits' (bundled, no download) or an image folder\nDIR/train/<class>/..., "
+        "DIR/val/<class>/... read through timm's transforms (docs/training.md).\n\n"
+        "Exit 0 when trained, 2 on bad usage, 3 on a non-finite loss or an internal error (the "
+        "last checkpoint\nstays), 130 interrupted.")
+    p.add_argument("recipe", help="a recipe name or preset ('twinstep recipe'); a dp recipe for "
+                                  "--replicas > 1")
+    p.add_argument("--data", default=default["data"], metavar="DIR|digits",
+                   help=f"an image folder, or the embedded digits (default {default['data']})")
+    p.add_argument("--out", required=True, metavar="RUN_DIR", help="the run's folder (created)")
+    options.count(p, "--replicas", default["replicas"],
+                  f"replicas R (default {default['replicas']})", "R")
+    options.count(p, "--batch", None, "examples per replica (default: the recipe's N)", "N")
+    options.count(p, "--res", default["res"], f"input resolution (default {default['res']})")
+    length = p.add_mutually_exclusive_group()
+    options.count(length, "--steps", default["steps"],
+                  f"optimizer steps (default {default['steps']}); the warmup is the first "
+                  f"tenth, from timm's warmup lr", "S")
+    options.count(length, "--epochs", None, "passes over the training images instead of "
+                                            "--steps (steps = ceil(E x images / (R N k)))", "E")
+    for flag, what in (("eval_every", "evaluate on the val split every K steps and at the end"),
+                       ("ckpt_every", "checkpoint every K steps and at the end"),
+                       ("keep", "keep the last K checkpoints"),
+                       ("log_every", "a metrics line every K steps")):
+        options.count(p, "--" + flag.replace("_", "-"), default[flag],
+                      f"{what} (default {default[flag]})", "K")
+    p.add_argument("--precision", choices=PRECISIONS, default=default["precision"],
+                   help=f"default {default['precision']}")
+    options.seed(p)
+    p.add_argument("--workers", type=options.int_in(0, MAX_WORKERS + 1),
+                   default=default["workers"], metavar="W",
+                   help=f"loader processes decoding and augmenting images (default "
+                        f"{default['workers']}: one background thread); never changes the result")
+    p.add_argument("--randaugment", type=options.int_in(0, 31), metavar="M",
+                   help="RandAugment rand-mM-mstd0.5-inc1 on an image folder (default: the "
+                        "recipe's; none for a grammar name)")
+    for kind in ("mixup", "cutmix"):
+        p.add_argument(f"--{kind}", type=float, metavar="ALPHA",
+                       help=f"{kind}'s Beta alpha on an image folder, 0 off (default: the "
+                            "recipe's); with both on, one of the two per batch")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in RUN_DIR and refuse to start a new one (without it, "
+                        "a RUN_DIR holding a run is continued too)")
+    p.add_argument("--render", "--artifact", dest="artifact", metavar="NAME.jaxexport",
+                   help="run a render's step instead of the Python one (its recipe, R, N, S, "
+                        "precision and schedule)")
+    p.add_argument("--init-from", metavar="FILE", help="start from a timm state dict (.pth, "
+                   ".safetensors), e.g. to fine-tune; a classifier of another width is "
+                   "initialised afresh")
+    p.add_argument("--fast-compile", action="store_true",
+                   help="compile at XLA -O0: the same numerics, half the compile, a slower "
+                        "step (for short runs)")
+    options.cluster(p)
+
+
+def run(args, parser) -> int:
+    from twinstep import api
+    from twinstep.processes import cluster
+    from twinstep.training.config import TrainConfig
+    from twinstep.training.loop import NonFinite
+
+    config = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+              if f.name not in ("recipe", "out")}
+    cfg = TrainConfig(args.recipe, args.out, **config)  # refuse before JAX starts
+    options.join(args, cfg.replicas)
+    primary = cluster.is_primary()  # process 0 shows the progress and the result
+    with progress(cfg.steps, quiet=not primary) as update:
+        try:
+            result = api.train(args.recipe, args.out, progress=update,
+                               warn=lambda text: print(f"warning: {text}", file=sys.stderr),
+                               **config)
+        except NonFinite as e:
+            print(f"twinstep train: {e}", file=sys.stderr)
+            return 3
+    if not primary:
+        return 0
+    for weights, m in result.items():
+        print(f"val ({weights}): top-1 {m['top1']:.2%}, top-5 {m['top5']:.2%}, "
+              f"loss {m['loss']:.4f}")
+    print(f"run: {args.out} (metrics.jsonl, tb/, checkpoints/)")
+    return 0
+
+
+@contextlib.contextmanager
+def progress(total: int, quiet: bool = False):
+    """A progress bar on stderr — step, epoch, loss, lr, img/s, ETA — yielding ``update(step,
+    metrics)`` (a no-op when ``quiet`` or stderr is not a terminal)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    console = Console(stderr=True)
+    if quiet or not console.is_terminal:
+        yield lambda step, metrics: None
+        return
+    columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[text]}"), TimeRemainingColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("train", total=total, text="compiling")
+
+        def update(step, m):
+            top1 = m.get("eval", {}).get("raw", {}).get("top1")
+            text = (f"epoch {m['epoch']:.2f}  loss {m['loss']:.3f}  lr {m['lr']:.2e}  "
+                    f"{m['img_per_s']:.0f} img/s" + (f"  val top-1 {top1:.1%}" if top1 else ""))
+            bar.update(task, completed=step, text=text)
+
+        yield update

@@ -1,0 +1,77 @@
+"""RUN_DIR/checkpoints: orbax's CheckpointManager, holding the last ``keep`` checkpoints.
+
+A checkpoint is the whole train state once — parameters, global BN running statistics,
+optimizer state, EMA, the step — as one host copy (the replicated tensors read from one
+replica, the optimizer state's slices gathered from all), so it restores onto any number of
+replicas (`twinstep.program.TrainProgram.place`). Every process writes and restores together;
+orbax publishes a checkpoint only once it is whole (docs/training.md#checkpoints).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from twinstep.processes import cluster, settings
+
+FOLDER = "checkpoints"
+
+
+class Checkpoints:
+    """The checkpoints of one run; a context manager that waits for the last write on exit."""
+
+    def __init__(self, run_dir: str, keep: int):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.manager = ocp.CheckpointManager(
+            os.path.abspath(os.path.join(run_dir, FOLDER)),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep))
+
+    def latest(self) -> int | None:
+        """The step of the latest whole checkpoint (waiting for one being written)."""
+        self.manager.wait_until_finished()
+        return self.manager.latest_step()
+
+    def restore(self, like):
+        """The latest checkpoint as host arrays shaped as ``like`` (a state), or ``like`` itself
+        when there is none."""
+        step = self.manager.latest_step()
+        if step is None:
+            return like
+        target = jax.tree.map(lambda a: np.empty(a.shape, a.dtype), like)
+        return jax.device_put(self.manager.restore(
+            step, args=self._ocp.args.StandardRestore(target)))
+
+    def save(self, step: int, state) -> None:
+        """Checkpoint ``state`` at ``step``: one host copy (orbax took 3.3x as long over R
+        replicated arrays; bench/probes/checkpoint.py)."""
+        self.manager.save(step, args=self._ocp.args.StandardSave(
+            jax.tree.map(cluster.whole, state)))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def load_state(run_dir: str, step: int | None = None):
+    """A checkpoint of RUN_DIR (the latest by default) as saved — nested dicts of NumPy arrays in
+    their own dtypes (float64 too, whether or not JAX has x64 on) — in any process, whatever
+    devices the run had."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.path.join(run_dir, FOLDER))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with settings.jax_settings(jax_enable_x64=True), ocp.CheckpointManager(
+            path, item_handlers=ocp.StandardCheckpointHandler()) as m:
+        step = m.latest_step() if step is None else step
+        meta = m.item_metadata(step)
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+                              getattr(meta, "tree", meta))
+        tree = m.restore(step, args=ocp.args.StandardRestore(target))
+        return jax.tree.map(np.asarray, tree)

@@ -1,0 +1,177 @@
+"""`twinstep train`'s configuration: `TrainConfig` checks itself on construction (UsageError,
+one line, before anything compiles), and `check_run_dir` decides whether RUN_DIR holds a run to
+continue (docs/training.md#resuming).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from twinstep import recipes
+from twinstep.data import loader
+from twinstep.defaults import WARMUP_LR
+from twinstep.errors import UsageError
+from twinstep.nets import get_net
+from twinstep.ops.precision import NAMES as PRECISIONS
+
+# what must match for a RUN_DIR to be continued: anything else changes the trajectory (the
+# number of loader workers does not, nor the topology: R and N may change at the same R N, and
+# the recipe's name with N — its other fields must match, `check_run_dir`)
+RESUME_FIELDS = ("data", "res", "steps", "precision", "seed", "init_from", "randaugment",
+                 "mixup", "cutmix", "artifact")
+# what a render fixes, which a run with --artifact must give alike
+ARTIFACT_FIELDS = ("recipe", "replicas", "batch", "res", "precision")
+AUGMENT_FIELDS = ("randaugment", "mixup", "cutmix")  # the recipe's, unless given
+MAX_WORKERS = 64
+INIT_FORMATS = (".safetensors", ".pth", ".pt")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """What `twinstep.training.loop.run` trains; checks itself on construction (UsageError, one
+    line)."""
+
+    recipe: str
+    out: str
+    data: str = "digits"  # or an image folder: DIR/train/<class>/..., DIR/val/<class>/...
+    replicas: int = 1
+    batch: int | None = None  # per replica; None: the recipe's
+    res: int = 32
+    steps: int = 200
+    epochs: int | None = None  # given: steps = ceil(epochs x train images / (R N k))
+    eval_every: int = 50
+    ckpt_every: int = 50
+    keep: int = 2
+    log_every: int = 10
+    precision: str = "f32"
+    seed: int = 0
+    workers: int = 0  # loader processes (0: a background thread); results do not depend on it
+    randaugment: int | None = None  # these three: None keeps the recipe's (recipes.Recipe)
+    mixup: float | None = None
+    cutmix: float | None = None
+    init_from: str | None = None  # a timm state dict (.pth / .safetensors) to start from
+    artifact: str | None = None  # a render's NAME.jaxexport to run instead of the Python step
+    resume: bool = False  # insist on continuing: refuse a RUN_DIR that holds no run
+    fast_compile: bool = False  # dp.FAST_COMPILE: the same numerics, compiled at -O0
+
+    def __post_init__(self):
+        if self.data != "digits" and not os.path.isdir(self.data):
+            raise UsageError(f"--data {self.data}: no such directory (or 'digits', the "
+                             f"embedded set)")
+        if not 0 <= self.workers <= MAX_WORKERS:
+            raise UsageError(f"--workers must be in [0, {MAX_WORKERS}], got {self.workers}")
+        if self.init_from is not None:
+            if not self.init_from.endswith(INIT_FORMATS):
+                raise UsageError(f"--init-from {self.init_from}: a timm state dict "
+                                 f"({', '.join(INIT_FORMATS)})")
+            if not os.path.isfile(self.init_from):
+                raise UsageError(f"--init-from {self.init_from}: no such file")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"unknown --precision {self.precision!r}; choose from "
+                             f"{', '.join(PRECISIONS)}")
+        for field in ("replicas", "res", "steps", "eval_every", "ckpt_every", "keep",
+                      "log_every"):
+            if getattr(self, field) < 1:
+                raise UsageError(f"--{field.replace('_', '-')} must be >= 1, "
+                                 f"got {getattr(self, field)}")
+        if self.batch is not None and self.batch < 1:
+            raise UsageError(f"--batch must be >= 1, got {self.batch}")
+        if not 0 <= self.seed < 2**31:
+            raise UsageError(f"--seed must be >= 0 and < 2^31, got {self.seed}")
+        recipe = self.parsed_recipe()
+        multiple = get_net(recipe.net).INPUT_MULTIPLE
+        if self.res % multiple:
+            raise UsageError(f"--res must be a multiple of {multiple} for {recipe.net}, "
+                             f"got {self.res}")
+        if recipe.dp != (self.replicas > 1) and self.replicas > 1:
+            raise UsageError(f"{self.recipe} has no 'dp' token: it trains on one device; "
+                             f"use a dp recipe for --replicas {self.replicas}")
+        object.__setattr__(self, "batch", self.batch or recipe.batch)
+        if self.artifact is not None:
+            self._check_artifact()
+        if self.epochs is not None:
+            if self.epochs < 1:
+                raise UsageError(f"--epochs must be >= 1, got {self.epochs}")
+            per_step = self.rows * recipe.accum
+            object.__setattr__(self, "steps", -(-self.epochs * loader.train_size(self.data)
+                                                // per_step))
+
+    def _check_artifact(self) -> None:
+        """The render's manifest (NAME.json beside it) against this run: a render fixes its
+        recipe, R, N, S and precision."""
+        if not self.artifact.endswith(".jaxexport") or not os.path.isfile(self.artifact):
+            raise UsageError(f"--artifact {self.artifact}: a NAME.jaxexport file from "
+                             f"'twinstep render'")
+        try:
+            with open(self.artifact[:-len(".jaxexport")] + ".json") as f:
+                manifest = json.load(f)
+            given = {"recipe": manifest["name"], "replicas": manifest["replicas"],
+                     "batch": manifest["batch"], "res": manifest["res"],
+                     "precision": manifest["precision"]}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"--artifact {self.artifact}: cannot read its manifest "
+                             f"({type(e).__name__})") from None
+        for field in ARTIFACT_FIELDS:
+            if given[field] != getattr(self, field):
+                raise UsageError(f"--artifact {self.artifact} was rendered with {field} = "
+                                 f"{given[field]!r}, this run has {getattr(self, field)!r}")
+        if self.randaugment or self.mixup or self.cutmix or self.epochs:
+            raise UsageError("--artifact runs the render's schedule and the recipe's "
+                             "augmentation: drop --epochs, --randaugment, --mixup, --cutmix")
+
+    def parsed_recipe(self) -> recipes.Recipe:
+        """The recipe with this run's overrides: its N, its length, a warmup of a tenth from
+        timm's warmup lr. With --artifact, the rendered recipe as it is: the render holds its
+        schedule."""
+        if self.artifact is not None:
+            return recipes.parse(self.recipe)
+        try:
+            r = recipes.parse(self.recipe)
+            given = {f: getattr(self, f) for f in AUGMENT_FIELDS if getattr(self, f) is not None}
+            return dataclasses.replace(r, batch=self.batch or r.batch, total_steps=self.steps,
+                                       warmup_steps=self.steps // 10,
+                                       warmup_lr=min(WARMUP_LR, r.lr), **given)
+        except recipes.RecipeError as e:
+            raise UsageError(str(e)) from None
+
+    @property
+    def rows(self) -> int:
+        return self.replicas * self.batch
+
+
+def check_run_dir(cfg: TrainConfig) -> bool:
+    """Whether RUN_DIR holds a run to continue; refuses one trained with other settings."""
+    path = os.path.join(cfg.out, "config.json")
+    if not os.path.exists(path):
+        if cfg.resume:
+            raise UsageError(f"--resume: {cfg.out} holds no run to continue")
+        os.makedirs(cfg.out, exist_ok=True)
+        return False
+    with open(path) as f:
+        old = json.load(f)
+    new = {**dataclasses.asdict(cfg), "resolved_recipe": _as_json(
+        dataclasses.asdict(cfg.parsed_recipe()))}
+    # the topology may change (R x N at the same global batch: the tied step is the same
+    # mathematics), so the recipe is compared field by field without N
+    old_recipe, new_recipe = ({k: v for k, v in c.get("resolved_recipe", {}).items()
+                               if k != "batch"} for c in (old, new))
+    changed = [(f, old.get(f), new[f]) for f in RESUME_FIELDS if old.get(f) != new[f]]
+    changed += [(f"recipe field {k}", old_recipe.get(k), v) for k, v in new_recipe.items()
+                if old_recipe.get(k) != v]
+    if changed:
+        field, was, now = changed[0]
+        raise UsageError(f"{cfg.out} holds a run with {field} = {was!r}, not {now!r}: use "
+                         f"another --out to start a new run")
+    rows = old.get("replicas", 0) * old.get("batch", 0)
+    if rows != cfg.rows:
+        raise UsageError(f"{cfg.out} holds a run at the global batch R N = {old.get('replicas')} x "
+                         f"{old.get('batch')} = {rows}; this one is {cfg.replicas} x {cfg.batch} "
+                         f"= {cfg.rows}: a run moves between topologies only at the same R N")
+    return True
+
+
+def _as_json(value):
+    """``value`` as it reads back from config.json (tuples as lists)."""
+    return json.loads(json.dumps(value))

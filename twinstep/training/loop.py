@@ -1,0 +1,155 @@
+"""`twinstep train`: the recipe's tied step (`program.train_program`, the program `twinstep tie
+--recipe` checks) looped over real data, with checkpoints, evaluation and logs.
+
+`run` reads top to bottom: set-up (the recipe, the data, RUN_DIR, the programs) -> restore (the
+latest checkpoint, or step 0) -> the loop (step, log, evaluate, checkpoint). What RUN_DIR holds
+and why a resumed run continues bit for bit: docs/training.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+
+import jax
+
+from twinstep import dp, program, recipes
+from twinstep.data import loader
+from twinstep.errors import UsageError
+from twinstep.nets import get_net
+from twinstep.ops.precision import get_precision
+from twinstep.processes import cluster, disk
+from twinstep.training import evaluation, state_dict
+from twinstep.training.checkpoint import Checkpoints
+from twinstep.training.config import TrainConfig, check_run_dir
+from twinstep.training.run_log import RunLog
+
+
+class NonFinite(RuntimeError):
+    """The loss went NaN or infinite; the last checkpoint is intact."""
+
+
+def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
+    """Train; returns the last evaluation. ``progress(step, metrics)`` is told of every step;
+    ``warn(text)`` once of images that do not decode. With several processes
+    (`twinstep.processes.cluster`) every process runs this together: each loads its replicas'
+    rows, process 0 alone writes the config and the logs, all checkpoint together."""
+    # --- set-up: the recipe, the data (a folder is scanned, and refused, before compiling),
+    # RUN_DIR (read by every process before process 0 writes it), the programs
+    recipe = cfg.parsed_recipe()
+    net = get_net(recipe.net)
+    src = loader.source(cfg.data, cfg.res)
+    resuming = check_run_dir(cfg)
+    cluster.barrier("run-dir-read")
+    if cluster.is_primary():
+        config = {**dataclasses.asdict(cfg), "net": recipe.net, "classes": src.classes,
+                  "train_images": len(src.train_labels), "val_images": len(src.val_labels),
+                  "processes": cluster.count(), "resolved_recipe": dataclasses.asdict(recipe)}
+        disk.publish({os.path.join(cfg.out, "config.json"): json.dumps(config, indent=1).encode()})
+    prog = program.train_program(net, recipe, src.classes, cfg.replicas, cfg.precision,
+                                 fast_compile=cfg.fast_compile)
+    eval_fn = program.eval_program(net, cfg.precision, cfg.fast_compile)
+
+    # --- restore: the latest checkpoint, else step 0 (timm's initialisation or --init-from)
+    checkpoints = Checkpoints(cfg.out, cfg.keep)
+    state = state_dict.initial_state(cfg, net, prog, src.classes)
+    if cfg.artifact is not None:
+        prog = _render_program(cfg, prog, src.classes)
+    if resuming:
+        state = checkpoints.restore(state)
+    state = prog.place(state)
+    start = int(cluster.local_value(state.step))
+
+    # --- the loop: step, log, evaluate, checkpoint
+    per_step = cfg.rows * recipe.accum  # images per optimizer step
+    rows = _batch_sharding(cfg) if cluster.count() > 1 else None  # this process's rows go there
+    stream = loader.train_stream(src, _augment(src, recipe), cfg.seed, start, cfg.steps,
+                                 recipe.accum, cfg.rows, get_precision(cfg.precision).dtype,
+                                 cfg.workers, cluster.local_rows(cfg.rows))
+    say = progress if progress and cluster.is_primary() else (lambda step, metrics: None)
+    warn = warn or (lambda text: None)
+    last_eval, skipped, t0 = {}, 0, time.perf_counter()
+    with _run_log(cfg.out, start) as log, checkpoints, contextlib.closing(stream):
+        for s, (xs, ts, sk) in zip(range(start, cfg.steps), stream, strict=True):
+            done = s + 1
+            if sk and not skipped:
+                warn(f"step {done}: an image that does not decode was replaced by the next "
+                     f"one of its split (counted as 'skipped' in metrics.jsonl)")
+            skipped += sk
+            if rows is not None:
+                xs, ts = (cluster.global_array(a, rows, (a.shape[0], cfg.rows, *a.shape[2:]))
+                          for a in (xs, ts))
+            key = jax.random.fold_in(jax.random.key(cfg.seed), s)
+            state, m = cluster.run_together(prog.step, state, xs, ts, key)
+            loss = float(cluster.local_value(m["loss"]))
+            if not math.isfinite(loss):
+                raise NonFinite(f"the loss is {loss} at step {done}; the last checkpoint "
+                                f"(step {checkpoints.latest()}) is intact")
+            if done == start + 1:
+                t0 = time.perf_counter()  # the first step compiles: img/s from its end
+            record = {"step": done, "epoch": done * per_step / len(src.train_labels),
+                      "loss": loss, "lr": float(cluster.local_value(m["lr"])),
+                      "skipped": skipped, "img_per_s": (done - start - 1) * per_step
+                      / max(time.perf_counter() - t0, 1e-9)}
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                log.train({**record, "skipped": int(cluster.total([skipped])[0])})
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                last_eval = evaluation.evaluate(src, cfg, state, eval_fn)
+                log.eval(done, last_eval)
+            if done % cfg.ckpt_every == 0 or done == cfg.steps:
+                checkpoints.save(done, state)
+            say(done, {**record, **({"eval": last_eval} if last_eval else {})})
+        return last_eval or evaluation.evaluate(src, cfg, state, eval_fn)
+
+
+def _augment(src, recipe: recipes.Recipe) -> loader.Augment:
+    """The recipe's augmentation for an image folder; the digits are not augmented."""
+    if isinstance(src, loader.Digits):
+        return loader.Augment()
+    mixing = recipe.mixup > 0 or recipe.cutmix > 0
+    return loader.Augment(recipe.randaugment,
+                          loader.mix.MixParams(recipe.mixup, recipe.cutmix) if mixing else None)
+
+
+class _NoLog:
+    """The logs of a process other than 0: nothing is written."""
+
+    def train(self, record: dict) -> None:
+        pass
+
+    def eval(self, step: int, result: dict) -> None:
+        pass
+
+
+def _run_log(run_dir: str, start: int):
+    """RUN_DIR's logs (`twinstep.training.run_log.RunLog`), written by process 0 only."""
+    if cluster.is_primary():
+        return RunLog(run_dir, resume_step=start)
+    return contextlib.nullcontext(_NoLog())
+
+
+def _batch_sharding(cfg: TrainConfig):
+    """Where a step's xs and ts go: their R N rows (axis 1) over the replicas."""
+    if cfg.replicas == 1:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.sharding.NamedSharding(dp.mesh(cfg.replicas), dp.MICRO_BATCH)
+
+
+def _render_program(cfg: TrainConfig, prog, classes: int):
+    """``prog`` with its step replaced by the render's (--artifact; its hashes and signature
+    checked by `twinstep.rendering.reader.load`)."""
+    from twinstep.rendering import reader
+
+    try:
+        exported, manifest = reader.load(cfg.artifact)
+    except reader.RenderError as e:
+        raise UsageError(str(e)) from None
+    if manifest["classes"] != classes:
+        raise UsageError(f"--artifact {cfg.artifact} was rendered for {manifest['classes']} "
+                         f"classes; the data has {classes}")
+    return prog._replace(step=reader.step(exported, manifest, cfg.fast_compile),
+                         place=lambda state: dp.replicate(state, cfg.replicas))
