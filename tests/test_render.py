@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from twinstep import cli, dp, optim, step
-from twinstep.checking import bounds, tie, trajectory
+from twinstep.checking import bounds, inputs, tie, trajectory
 from twinstep.collectives import GRAD_BUCKET_BYTES, MICRO_STEP_SITES, SITES, grad_buckets
 from twinstep.errors import RenderError
 from twinstep.nets import get_net
@@ -159,12 +159,12 @@ def test_the_counter_sees_missing_collectives():
     unsynced control has only the gradients' and the loss's all-reduces. The whole step refuses
     that control (each replica would keep its own running statistics)."""
     net = get_net("resnet50")
-    buckets = len(grad_buckets(jax.tree.leaves(tie.setup(tie.TieConfig("resnet50", 4), net)[0])))
+    buckets = len(grad_buckets(jax.tree.leaves(inputs.setup(tie.TieConfig("resnet50", 4), net)[0])))
     assert buckets == 10  # f64: twice the bytes of f32's 4
     for control, want in (("none", 2 * 53 + buckets + 1), ("unsynced", buckets + 1)):
         cfg = tie.TieConfig("resnet50", 4, control=control)
-        params, buffers, x, t = tie.setup(cfg, net)
-        program = tie.replica_program(net, cfg, tie.tie_precision("f64"))
+        params, buffers, x, t = inputs.setup(cfg, net)
+        program = tie.replica_program(net, cfg, inputs.tie_precision("f64"))
         text = program.lower(params, buffers, x, t).as_text(debug_info=True)
         ops = stablehlo.collectives(text)
         assert len(ops) == want, control
@@ -258,7 +258,7 @@ def _example_inputs(seed=3):
     """A trained-looking state (BN randomised), one batch, a key: the tie's own set-up."""
     cfg = tie.TieConfig("resnet50", 4, 2, 32, 10, "ce", "f64", seed)
     net, recipe = get_net("resnet50"), parse(EXAMPLE)
-    params, buffers, _, _ = tie.setup(cfg, net)
+    params, buffers, _, _ = inputs.setup(cfg, net)
     opt = optim.for_recipe(recipe, params)
     # every counter (step, Adam's, the schedule's) at 5: past lr(0) = 0, so parameters move
     state = jax.tree.map(lambda a: jnp.full_like(a, 5) if a.dtype == jnp.int32 else a,
@@ -372,16 +372,24 @@ def test_cli_render_usage_errors(tmp_path, example_f64, capsys):
     assert not list(tmp_path.glob("**/.twinstep-*"))
 
 
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def committed_manifests() -> dict:
+    """{name: manifest} of renders/, one per `render --all` name."""
+    manifests = {}
+    for name in render.all_names():
+        with open(os.path.join(REPOSITORY, "renders", name + ".json")) as f:
+            manifests[name] = json.load(f)
+    return manifests
+
+
 @pytest.mark.slow
 def test_committed_manifests_are_current():
     """renders/ holds `render --all --replicas 4` manifests (the .mlir and .jaxexport are not
     committed): one per name, and each still describes what the code renders — signature,
     collectives, convolutions — checked here for the smallest of each net."""
-    folder = os.path.join(os.path.dirname(os.path.dirname(render.__file__)), "renders")
-    manifests = {}
-    for name in render.all_names():
-        with open(os.path.join(folder, name + ".json")) as f:
-            manifests[name] = json.load(f)
+    manifests = committed_manifests()
     for name in ("resnet50in_momdp64", "mnv4in_adamdp64"):
         m = manifests[name]
         fresh = render.make(render.RenderConfig(name, m["replicas"], m["res"], m["classes"],
@@ -391,14 +399,23 @@ def test_committed_manifests_are_current():
                 assert json.loads(json.dumps(fresh[key])) == m[key], (name, key)
     assert {m["replicas"] for m in manifests.values()} == {4}
     assert dp.AXIS == manifests["resnet50in_momdp64"]["mesh"]["axis"]
-    # README's table lists each with its count
-    with open(os.path.join(os.path.dirname(folder), "README.md")) as f:
-        readme = f.read()
-    for name, m in manifests.items():
-        c = m["collectives"]
-        row = readme.split(f"| `{name}` |")[1].split("\n")[0] if f"| `{name}` |" in readme else ""
-        assert f"| {c['in_text']} ({c['spec_reference']}) |" in row, name
-        assert f"| {c['per_optimizer_step']['count']}, " in row, name
+
+
+def test_the_manifest_table_of_docs_renders_matches_the_committed_manifests():
+    """docs/renders.md's table of the committed manifests has one row per name, with each
+    manifest's collective counts (in the text, the reference, per optimizer step with its MiB
+    per replica) and its convolutions."""
+    with open(os.path.join(REPOSITORY, "docs", "renders.md")) as f:
+        text = f.read()
+    for name, m in committed_manifests().items():
+        c, per_step = m["collectives"], m["collectives"]["per_optimizer_step"]
+        rows = [line for line in text.splitlines() if line.startswith(f"| `{name}` |")]
+        assert len(rows) == 1, name
+        assert f"| {c['in_text']} ({c['spec_reference']}) |" in rows[0], name
+        mib = per_step["payload_bytes"] / 2**20
+        assert f"| {per_step['count']}, {mib:.1f} MiB |" in rows[0], name
+        convs = m["convolutions"]
+        assert rows[0].endswith(f"| {convs['count']} {' '.join(convs['dtypes'])} |"), name
 
 
 @ON_EXAMPLE

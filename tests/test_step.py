@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from twinstep import dp, optim, recipes, step
-from twinstep.checking import bounds, tie
+from twinstep.checking import bounds, inputs, tie
 from twinstep.nets import get_net, layers
 from twinstep.ops import batchnorm
 from twinstep.ops.precision import F64
@@ -28,7 +28,7 @@ def test_accumulation_is_the_mean_of_the_micro_steps():
     net = get_net("resnet50")
     rec = recipes.parse("resnet50in_lambaccdp2x2wxclipbce")
     cfg = tie.TieConfig(replicas=1, batch=4)
-    params, buffers, _, _ = tie.setup(cfg, net)
+    params, buffers, _, _ = inputs.setup(cfg, net)
     rng = np.random.default_rng(0)
     xs = jnp.asarray(rng.standard_normal((2, 4, 32, 32, 3)))
     ts = jnp.asarray(np.eye(10)[rng.integers(0, 10, (2, 4))])
@@ -60,7 +60,7 @@ def test_the_optimizer_sees_the_clipped_mean_and_eval_reads_raw_or_ema():
     the clip acts), then the EMA; eval_logits reads the raw or the EMA weights."""
     net = get_net("resnet50")
     rec = recipes.parse("resnet50in_emaaccdp2x2wxclip")
-    params, buffers, _, _ = tie.setup(tie.TieConfig(replicas=1, batch=4), net)
+    params, buffers, _, _ = inputs.setup(tie.TieConfig(replicas=1, batch=4), net)
     rng = np.random.default_rng(1)
     xs = jnp.asarray(rng.standard_normal((2, 4, 32, 32, 3)))
     ts = jnp.asarray(np.eye(10)[rng.integers(0, 10, (2, 4))])

@@ -20,7 +20,7 @@ from conftest import FAST_COMPILE_NETS, SWEEP_PHASES
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from twinstep.checking import bounds, tie
+from twinstep.checking import bounds, inputs, tie
 from twinstep.collectives import CONTROLS, MASK_CONTROLS
 from twinstep.nets import get_net
 
@@ -46,8 +46,8 @@ def assert_tied(r: tie.TieReport):
 
 def assert_no_collective(cfg: tie.TieConfig):
     net = get_net(cfg.net)
-    prec = tie.tie_precision(cfg.precision)
-    text = tie.replica_program(net, cfg, prec).lower(*tie.setup(cfg, net)).as_text()
+    prec = inputs.tie_precision(cfg.precision)
+    text = tie.replica_program(net, cfg, prec).lower(*inputs.setup(cfg, net)).as_text()
     assert "all_reduce" not in text and "all-reduce" not in text
 
 
@@ -114,7 +114,7 @@ def test_f32_ties_at_its_default_within_1e_3_and_sees_a_bug_of_a_few_percent(net
     """f32 at its defaults (near-init, R = 4, N = 4, the batch and three nudges of it): tied,
     every bound at most 1e-3 — and replica 0 dividing its loss by N + 1 (every gradient off by
     about 1/(R(N+1)) = 5%) fails every tensor that is not a structural zero, by over 50 times its
-    bound at seed 0 (at least 45 over seeds 0-7: bench/RESULTS.md)."""
+    bound at seed 0 (at least 45 over seeds 0-7: bench/history/2026-12-03.md)."""
     r = run(net=net, precision="f32")
     assert (r.config.state, r.config.batch) == ("near-init", 4)
     assert_tied(r)
@@ -145,9 +145,10 @@ def test_f32_from_random_bn_is_too_loose_to_conclude():
 @pytest.mark.slow
 @pytest.mark.parametrize("net", ["resnet50", pytest.param("mnv4", marks=pytest.mark.all)])
 def test_bf16_ties_at_the_partial_sum_boundary(net):
-    """bf16 (tie.tie_precision): every conv weight gradient within the bf16 boundary (docs/tie.md)
-    elementwise, and that boundary is what separates the two programs — the error is of its
-    size, not far below it; everything else ties at the f64 bounds; a control still fails."""
+    """bf16 (inputs.tie_precision): every conv weight gradient within the bf16 boundary
+    (docs/tie.md#bf16) elementwise, and that boundary is what separates the two programs — the
+    error is of its size, not far below it; everything else ties at the f64 bounds; a control
+    still fails."""
     r = run(net=net, precision="bf16")  # R = 4: at R = 2 MNv4 misses two conv weight bounds
     assert_tied(r)
     convs = [p for p in r.parameters if len(p["shape"]) == 4]

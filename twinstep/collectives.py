@@ -59,7 +59,7 @@ MICRO_STEP_SITES = ("bn_forward", "bn_backward", "loss")
 # all-reduces instead of one per tensor, each small enough not to hold a second copy of every
 # gradient at once. Within one process a collective is a copy between the devices' memories and
 # packing a bucket is one more copy, so there the sliced step reduces each tensor alone
-# (``packed=False``, bench/RESULTS.md).
+# (``packed=False``, bench/history/2026-12-03.md).
 GRAD_BUCKET_BYTES = 25 * 2**20
 
 

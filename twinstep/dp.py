@@ -82,7 +82,7 @@ def replicas(count: int, control: str = "none") -> Replicas:
 
 
 # XLA:CPU with LLVM at -O0 and the legacy loop emitters: the same numerics, a shorter compile and a
-# slower program — for checks whose wall time is compile time (bench/opt_level.py measures both).
+# slower program — for checks whose wall time is compile time (bench/probes/opt_level.py).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 # XLA:CPU's copy insertion without region analysis copies every donated parameter the backward
 # still reads (its update does not depend on that read): 163 of MobileNetV4's 233, on every

@@ -66,8 +66,8 @@ def lr_schedule(peak_lr: float, warmup_steps: int, total_steps: int, warmup_init
     Evaluated in the canonical float dtype (f64 under ``jax_enable_x64``, as the exact checks
     run). optax's own warmup_cosine_decay_schedule evaluates in f32 even then, and two compiled
     programs (replica, single device) round it differently by an ulp or two, which every f64
-    Adam-type update carries uniformly, far above the tie's bound (bench/RESULTS.md,
-    "measurements behind the design").
+    Adam-type update carries uniformly, far above the tie's bound (bench/history/
+    2026-12-03.md, "measurements behind the design").
 
     Unlike timm's CosineLRScheduler (warmup_prefix=False), the cosine starts at the end of the
     warmup rather than running over [0, T] from s = 0, so lr(W) is exactly peak_lr.

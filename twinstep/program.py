@@ -115,7 +115,7 @@ def train_program(net: Net, recipe, classes: int, replicas: int = 1,
     optimizer work and state per replica than every replica repeating it (ZeRO stage 1); the
     parameters, buffers, EMA and step stay replicated. Off, every replica holds the whole
     state and runs the whole update. Across processes (gloo on CPU) the reduce-scatter and the
-    all-gathers cost more than the all-reduce and the update they replace (bench/RESULTS.md),
+    all-gathers cost more than the all-reduce and the update they replace (bench/history/),
     so a mesh over several processes keeps the whole state."""
     prec = get_precision(precision)
     params, buffers = abstract_params(net, classes, prec.dtype)
@@ -165,7 +165,7 @@ def _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh, donate: 
     which XLA partitions as the state's layout says — each replica updates its slices, a
     clip's norm is summed over the replicas, the new parameters are all-gathered. The gradient
     collective reduce-scatters: each replica receives only its slices. Both per tensor, not in
-    buckets: in one process packing a bucket cost more than it saved (bench/RESULTS.md)."""
+    buckets: in one process packing a bucket cost more than it saved (bench/history/)."""
     count = ctx.replicas.count
     r, s = dp.REPLICATED, dp.MICRO_BATCH
 

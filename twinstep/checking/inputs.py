@@ -1,13 +1,19 @@
-"""The synthetic batches the ties run on: Gaussian images whose replica shards are shifted
-apart, and soft (mixup) targets. One generator for the one-step tie, the whole-step ties and
-the benchmarks, so that a given seed means the same data everywhere."""
+"""What a tie starts from: its precision policy (`tie_precision`), its parameters and global
+batch (`setup`), and a lower bound on the memory it holds (`memory_floor`). The batches are
+synthetic — Gaussian images whose replica shards are shifted apart, soft (mixup) targets —
+from one generator (`batch`) for the one-step tie, the whole-step ties and the benchmarks, so
+that a given seed means the same data everywhere."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twinstep import dp
+from twinstep import dp, program
+from twinstep.nets import layers
+from twinstep.ops import loss as losses
+from twinstep.ops.precision import Precision, get_precision
 
 SHIFT = 1.0  # replica r's images are offset by r: Chan's correction term is then O(1)
 MIXUP_LAMBDA = (0.3, 1.0)  # the mixing weight's range: every target row is soft
@@ -27,3 +33,50 @@ def batch(rng: np.random.Generator, lead: tuple, res: int, classes: int, replica
     lam = rng.uniform(*MIXUP_LAMBDA, (*lead, 1))
     a, b = (np.eye(classes)[rng.integers(0, classes, lead)] for _ in range(2))
     return x, jnp.asarray(lam * a + (1 - lam) * b, dtype)
+
+
+def tie_precision(name: str) -> Precision:
+    """The policy both programs run under: bf16 keeps its rounding points with f64 around them
+    (why: docs/tie.md#bf16)."""
+    return Precision("bf16", base="f64") if name == "bf16" else get_precision(name)
+
+
+def setup(cfg, net):
+    """(params, buffers, x [R N, S, S, 3], t [R N, K]) of the tie ``cfg`` (a
+    `twinstep.checking.tie.TieConfig`): its state (random-bn or near-init), its batch."""
+    prec = tie_precision(cfg.precision)
+    key = jax.random.key(cfg.seed)
+    shapes = net.param_shapes(cfg.classes)
+    params = layers.init_params(key, shapes, dtype=prec.dtype)
+    buffers = layers.init_buffers(shapes, prec.dtype)
+    if cfg.state == "near-init":
+        params = layers.near_init_bn(jax.random.fold_in(key, 1), params, net.branch_end_bns())
+    else:
+        params, buffers = layers.randomize_bn(jax.random.fold_in(key, 1), params, buffers)
+    rng = np.random.default_rng(cfg.seed)
+    x, t = batch(rng, (cfg.replicas * cfg.batch,), cfg.res, cfg.classes, cfg.replicas,
+                 cfg.shift, prec.dtype)
+    if cfg.loss == "bce":
+        t = losses.bce_targets(t, smoothing=0.1)
+    return params, buffers, x, t
+
+
+def nbytes(tree) -> int:
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def memory_floor(cfg, net, prec: Precision) -> int:
+    """A lower bound on the bytes a tie holds at once, from shapes alone (nothing runs): the
+    activations the single-device step saves for its backward at R N rows (its tape, by
+    jax.eval_shape) and four parameter-sized trees (parameters, buffers, two gradients)."""
+    params, buffers = program.abstract_params(net, cfg.classes, prec.dtype)
+    x = jax.ShapeDtypeStruct((cfg.replicas * cfg.batch, cfg.res, cfg.res, 3), prec.dtype)
+    ctx = program.context(1, prec)
+
+    def saved(p, b, x):  # the tape's arrays (it also holds names)
+        return [a for a in jax.tree.leaves(net.forward(p, b, x, ctx)[1]) if hasattr(a, "dtype")]
+
+    return nbytes(jax.eval_shape(saved, params, buffers, x)) + 4 * nbytes(params)
+
+
+MEMORY_ADVICE = "lower --replicas, --batch or --res"

@@ -24,10 +24,10 @@ from twinstep.checking import bounds, inputs
 from twinstep.checking.bounds import grad_err, host, rel
 from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS, MASK_CONTROLS
 from twinstep.errors import UsageError
-from twinstep.nets import NETS, get_net, layers
+from twinstep.nets import NETS, get_net
 from twinstep.ops import loss as losses
 from twinstep.ops.precision import NAMES as PRECISIONS
-from twinstep.ops.precision import Precision, get_precision
+from twinstep.ops.precision import Precision
 from twinstep.processes import cluster, settings
 
 F32_NUDGES = 3  # f32 runs both programs on the batch and on this many nudges of it (`_batches`)
@@ -127,52 +127,6 @@ def _check_steps_config(cfg: TieConfig, recipe) -> None:
         raise UsageError(f"--control {cfg.control} needs a recipe with drop-path or dropout")
 
 
-def tie_precision(name: str) -> Precision:
-    """The policy both programs run under: bf16 keeps its rounding points with f64 around them
-    (why: `twinstep.ops.precision`)."""
-    return Precision("bf16", base="f64") if name == "bf16" else get_precision(name)
-
-
-def setup(cfg: TieConfig, net):
-    """Parameters (BN randomised), buffers, the global batch [R N, S, S, 3] and its targets."""
-    prec = tie_precision(cfg.precision)
-    key = jax.random.key(cfg.seed)
-    shapes = net.param_shapes(cfg.classes)
-    params = layers.init_params(key, shapes, dtype=prec.dtype)
-    buffers = layers.init_buffers(shapes, prec.dtype)
-    if cfg.state == "near-init":
-        params = layers.near_init_bn(jax.random.fold_in(key, 1), params, net.branch_end_bns())
-    else:
-        params, buffers = layers.randomize_bn(jax.random.fold_in(key, 1), params, buffers)
-    rng = np.random.default_rng(cfg.seed)
-    x, t = inputs.batch(rng, (cfg.replicas * cfg.batch,), cfg.res, cfg.classes, cfg.replicas,
-                        cfg.shift, prec.dtype)
-    if cfg.loss == "bce":
-        t = losses.bce_targets(t, smoothing=0.1)
-    return params, buffers, x, t
-
-
-def nbytes(tree) -> int:
-    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
-
-
-def memory_floor(cfg: TieConfig, net, prec: Precision) -> int:
-    """A lower bound on the bytes a tie holds at once, from shapes alone (nothing runs): the
-    activations the single-device step saves for its backward at R N rows (its tape, by
-    jax.eval_shape) and four parameter-sized trees (parameters, buffers, two gradients)."""
-    params, buffers = program.abstract_params(net, cfg.classes, prec.dtype)
-    x = jax.ShapeDtypeStruct((cfg.replicas * cfg.batch, cfg.res, cfg.res, 3), prec.dtype)
-    ctx = program.context(1, prec)
-
-    def saved(p, b, x):  # the tape's arrays (it also holds names)
-        return [a for a in jax.tree.leaves(net.forward(p, b, x, ctx)[1]) if hasattr(a, "dtype")]
-
-    return nbytes(jax.eval_shape(saved, params, buffers, x)) + 4 * nbytes(params)
-
-
-MEMORY_ADVICE = "lower --replicas, --batch or --res"
-
-
 def single_program(net, cfg: TieConfig, prec: Precision):
     """The single-device gradient step at the global batch R N."""
     return _grad_program(net, 1, cfg.loss, prec, "none", True, False, cfg.fast_compile)
@@ -258,18 +212,19 @@ def _replicas_agree(*reps) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def single_side(cfg: TieConfig, net) -> tuple:
-    """(inputs, the single-device runs, (parameter, BN, loss) SENSITIVITY) of a tie; the runs
-    are on the batch as given and, in f32, on F32_NUDGES nudges of it too (`_batches`). Nothing
-    here depends on the control, so a control tied after its tie reuses it (one entry)."""
-    prec = tie_precision(cfg.precision)
-    params, buffers, x, t = inputs = setup(cfg, net)
+    """(start, the single-device runs, (parameter, BN, loss) SENSITIVITY) of a tie, start being
+    `inputs.setup`'s (params, buffers, x, t); the runs are on the batch as given and, in f32, on
+    F32_NUDGES nudges of it too (`_batches`). Nothing here depends on the control, so a control
+    tied after its tie reuses it (one entry)."""
+    prec = inputs.tie_precision(cfg.precision)
+    params, buffers, x, t = start = inputs.setup(cfg, net)
     single = single_program(net, cfg, prec)
     batches = _batches(cfg, x)
     runs = [single(params, buffers, xi, t) for xi in batches]
     if len(runs) == 1:
-        return inputs, runs, noise_floor(single, params, buffers, x, t, runs[0], cfg.seed)
+        return start, runs, noise_floor(single, params, buffers, x, t, runs[0], cfg.seed)
     reordered = [single(params, buffers, xi[::-1], t[::-1]) for xi in batches]
-    return inputs, runs, bounds.closest(runs, reordered)
+    return start, runs, bounds.closest(runs, reordered)
 
 
 def _batches(cfg: TieConfig, x) -> list:
@@ -281,16 +236,16 @@ def _batches(cfg: TieConfig, x) -> list:
 
 
 def _run_programs(cfg: TieConfig, net, prec: Precision, say) -> tuple:
-    """(inputs, single-device runs, replica runs — one per `_batches` — SENSITIVITY, whether
+    """(start, single-device runs, replica runs — one per `_batches` — SENSITIVITY, whether
     the replicas agree)."""
     say(f"the single-device step at R N = {cfg.replicas * cfg.batch} and its noise floor "
         f"(compiling, running)")
-    inputs, singles, floors = single_side(dataclasses.replace(cfg, control="none"), net)
-    params, buffers, x, t = inputs
+    start, singles, floors = single_side(dataclasses.replace(cfg, control="none"), net)
+    params, buffers, x, t = start
     say(f"the replica step, {cfg.replicas} replicas of N = {cfg.batch} (compiling, running)")
     replica = replica_program(net, cfg, prec)
     reps = [_on_replicas(replica, cfg, params, buffers, xi, t) for xi in _batches(cfg, x)]
-    return inputs, singles, reps, floors, _replicas_agree(*reps)
+    return start, singles, reps, floors, _replicas_agree(*reps)
 
 
 def _on_replicas(replica, cfg: TieConfig, params, buffers, x, t):
@@ -310,11 +265,11 @@ def run_tie(cfg: TieConfig, net=None, progress=None) -> TieReport:
     """The tie of one gradient step (module docstring). ``progress(text)``: told what runs now."""
     net = net or get_net(cfg.net)
     say = progress or (lambda text: None)
-    prec = tie_precision(cfg.precision)
-    settings.check_memory(memory_floor(cfg, net, prec), MEMORY_ADVICE)
-    inputs, singles, reps, floors, agree = _run_programs(cfg, net, prec, say)
+    prec = inputs.tie_precision(cfg.precision)
+    settings.check_memory(inputs.memory_floor(cfg, net, prec), inputs.MEMORY_ADVICE)
+    start, singles, reps, floors, agree = _run_programs(cfg, net, prec, say)
     ref, rep = singles[0], reps[0]  # on the batch as given
-    params, buffers, x, t = inputs
+    params, buffers, x, t = start
     sensitivity, stat_sens, loss_sens = floors
     param_floor, stat_floor = bounds.FLOORS[prec.name]
     partials = None

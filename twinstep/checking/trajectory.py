@@ -1,9 +1,9 @@
 """The tie over whole training steps (``twinstep tie --recipe``, ``--render``;
 docs/tie.md#whole-steps): S steps of a recipe — k micro-steps, clip, optimizer, EMA, masks
 drawn for the global batch — on R replicas and on one device at R·N, from the same state,
-batches and keys; every state tensor compared after every step against max(FLOOR, 10 x
-SENSITIVITY), SENSITIVITY measured on the single device's own trajectories (a nudged input;
-every batch reversed with its masks).
+batches and keys; every state tensor held to its bound (docs/tie.md#bounds) after every step,
+SENSITIVITY measured on the single device's own trajectories (a nudged input; every batch
+reversed with its masks).
 """
 
 from __future__ import annotations
@@ -17,14 +17,8 @@ import numpy as np
 from twinstep import dp, program, step
 from twinstep.checking import bounds, inputs
 from twinstep.checking.bounds import grad_err, host
-from twinstep.checking.tie import (
-    MEMORY_ADVICE,
-    TieConfig,
-    memory_floor,
-    nbytes,
-    setup,
-    tie_precision,
-)
+from twinstep.checking.inputs import MEMORY_ADVICE, memory_floor, nbytes, setup, tie_precision
+from twinstep.checking.tie import TieConfig
 from twinstep.errors import UsageError
 from twinstep.nets import get_net
 from twinstep.ops.precision import Precision
@@ -64,8 +58,8 @@ class _Sqrt(collections.abc.Mapping):
 
 
 def compare_states(ours, ref, moved: tuple, floor: float) -> list:
-    """One row per state tensor (params, buffers, optimizer state, EMA, step counter), bound
-    max(floor, 10 x SENSITIVITY): SENSITIVITY is how far the single device's own trajectories
+    """One row per state tensor (params, buffers, optimizer state, EMA, step counter), held to
+    `bounds.bound` (floor, SENSITIVITY): SENSITIVITY is how far the single device's own trajectories
     ``moved`` (nudged inputs; reordered batches) move from ``ref`` — a trained state inherits
     the conditioning of every step before it, and Adam-type updates divide each element by its
     own magnitude, so a tiny gradient element's rounding becomes an O(lr) parameter change."""
@@ -192,8 +186,8 @@ def run_steps_tie(cfg: TieConfig, recipe=None, steps: int = STEPS, net=None, rep
 
 
 def _loss_row(ours: dict, ref: dict, moved: tuple, floor: float) -> dict:
-    """The step's reported loss against the single device's, bound max(floor, 10 x what the
-    single device's own ``moved`` trajectories move it by)."""
+    """The step's reported loss against the single device's, held to `bounds.bound` (floor,
+    what the single device's own ``moved`` trajectories move it by)."""
     def loss_rel(m):
         return abs(float(m["loss"]) - float(ref["loss"])) / abs(float(ref["loss"]))
 

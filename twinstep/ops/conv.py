@@ -6,10 +6,11 @@ Padding is symmetric, (k - 1) // 2 on each side (3 for the 7x7 stem), never XLA 
 Output size: Ho = (H + 2p - k) // s + 1. When the stride does not tile the padded input exactly,
 the last ``r = H + 2p - k - (Ho - 1) s`` padded rows are read by no window; both VJPs account for
 them (their input gradient is zero), and the forward crops them from its high padding: the same
-output, bitwise, on XLA, and the only form IREE's llvm-cpu backend compiles (bench/iree_conv.py).
+output, bitwise, on XLA, and the only form IREE's llvm-cpu backend compiles
+(tests/test_iree.py::test_iree_conv_with_unread_padding).
 
-Each kind has two paths, equal up to summation order, and a platform default (bench/ measures
-both): on XLA:CPU the form that runs fast there, elsewhere one XLA convolution.
+Each kind has two paths, equal up to summation order, and a platform default (bench/probes/
+measures both): on XLA:CPU the form that runs fast there, elsewhere one XLA convolution.
 - dense: ``conv`` (one XLA convolution per forward / input-VJP / weight-VJP) and ``matmul`` (the
   k^2 strided windows of the padded input interleaved, [rows, Ci k k], times the kernel as the
   [Co, Ci k k] matrix its OIHW layout already is; the input VJP scatters the windows' cotangents
@@ -129,7 +130,7 @@ def _windows(x, k: int, stride: int):
     """[N, Ho, Wo, Ci k k]: the k x k windows of the padded x [N, H, W, Ci], tap (a, b) minor —
     the order of an OIHW kernel's flattened [Ci, k, k], so that neither the kernel matrix nor
     the weight gradient is ever transposed (each transpose a strided copy of every k x k
-    weight, on every replica, each step: bench/RESULTS.md)."""
+    weight, on every replica, each step: bench/history/2026-12-03.md)."""
     xp = pad_hw(x, conv_padding(k))
     ho, wo = conv_out_size(x.shape[1], k, stride), conv_out_size(x.shape[2], k, stride)
     taps = [window(xp, a, b, ho, wo, stride) for a in range(k) for b in range(k)]
@@ -153,7 +154,8 @@ def _dot(lhs, rhs, contract, precision: Precision):
 # Dense convolutions are emitted in the one form XLA:CPU hands to its fast (Eigen) kernel:
 # NHWC input, HWIO kernel, NHWC output, the operands transposed explicitly. XLA canonicalizes
 # other forms itself in a program's entry computation, but not inside a while loop — the
-# accumulation scan's body — where they ran as generic loops, 3x slower (bench/RESULTS.md).
+# accumulation scan's body — where they ran as generic loops, 3x slower
+# (bench/probes/RESULTS.md#scan_body).
 CANONICAL = ("NHWC", "HWIO", "NHWC")
 
 

@@ -8,13 +8,7 @@
   the head, the loss, the optimizer, master weights and all collectives stay float32.
 
 ``Precision("bf16", base="f64")`` keeps the bf16 policy's rounding points (every conv operand and
-result) and runs everything else in float64. It exists for the tie: with f32 around the convs,
-reduction-order noise in the f32 BN statistics flips bf16 roundings between the two programs and
-the net amplifies the flips to O(1) (bench/RESULTS.md, "measurements behind the design"), which
-hides the bf16 boundary
-(docs/tie.md); with f64 around them (and f64 accumulation inside them) both programs feed every
-conv the same bf16 operands, and what is left is the
-boundary itself.
+result) and runs everything else in float64: the bf16 tie's policy (why: docs/tie.md#bf16).
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ class Precision:
     # partial sums unrounded (the tie's bound needs them); the product always rounds.
     round_weight_grads: bool = True
     # The dtype of everything that is not a convolution: None = the policy's own (f64 for f64,
-    # else f32); "f64" under bf16 for the tie (see the module docstring).
+    # else f32); "f64" under bf16 for the tie (docs/tie.md#bf16).
     base: str | None = None
 
     def __post_init__(self):

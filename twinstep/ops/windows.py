@@ -34,7 +34,7 @@ def unpadded_tap(x, dy, a: int, b: int, p: int, s: int):
     or None when the tap reads only padding: `window` of the p-padded x [N, H, W, C] for the
     outputs dy [N, Ho, Wo, C] with the padding's zero products left out. Two plain slices, where
     slicing the padded x formed each window in a slow loop over the pad's bounds, with x's
-    producer (BN, activation) recomputed in it (bench/RESULTS.md)."""
+    producer (BN, activation) recomputed in it (bench/history/2026-12-03.md)."""
     n, h, w, c = x.shape
     i0, i1 = _unpadded_outputs(h, dy.shape[1], a, p, s)
     j0, j1 = _unpadded_outputs(w, dy.shape[2], b, p, s)
@@ -63,7 +63,7 @@ def scatter_windows(tap, k: int, hp: int, wp: int, s: int):
     i - u, so each of the s^2 phases is a stride-1 sum of shifted taps, and each position adds
     its taps in the same order as the sum of scatters does. Scattering tap by tap evaluates all
     k^2 taps at every padded position, s^2 times as many as there are products
-    (bench/RESULTS.md)."""
+    (bench/history/2026-12-03.md)."""
     mh, mw = -(-hp // s), -(-wp // s)  # rows / columns of a phase
     phases = []
     for py in range(s):

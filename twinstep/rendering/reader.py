@@ -158,3 +158,5 @@ def _flat_step(inputs: list[dict], call):
                              f" where this step has {diff[0]}")
         *leaves, loss, lr = call(args)
         return jax.tree.unflatten(treedef, leaves), {"loss": loss, "lr": lr}
+
+    return run

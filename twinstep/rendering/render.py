@@ -1,33 +1,17 @@
-"""Renders (docs/renders.md): a recipe's whole train step for an R-device mesh, as one jax.export.
+"""A render (docs/renders.md): a recipe's whole train step for an R-device mesh, as one
+jax.export — `twinstep.step.train_step` jitted over a 1-D *abstract* mesh of R replicas, so
+rendering never needs the R devices — written as NAME.mlir (StableHLO, byte-identical for one
+program), NAME.jaxexport (the serialized export), NAME.json (`twinstep.rendering.manifest`) and,
+with ``--target iree``, NAME.vmfb (`twinstep.rendering.iree`).
 
-The step is `twinstep.step.train_step` — forward, loss, backward with its sync sites, the
-gradient collective, k accumulated micro-steps, clip, optimizer, EMA — jitted over a 1-D
-*abstract* mesh of R replicas, so rendering never needs the R devices. A render is three files:
-
-- ``NAME.mlir``: the StableHLO text, for people. Locations carry op names and the sync site of
-  every collective (`twinstep.collectives.SITES`), never file paths: the text depends only on
-  the program, and two renders of one program are byte-identical.
-- ``NAME.jaxexport``: the serialized ``jax.export.Exported``, for machines. It runs with no
-  model code (`twinstep/rendering/runner.py` is a runner that imports nothing from twinstep).
-- ``NAME.json``: the manifest (`twinstep.rendering.manifest`).
-- ``NAME.vmfb`` (``--target iree``, R = 1): the StableHLO compiled by IREE for its llvm-cpu
-  backend (`twinstep.rendering.iree`); the manifest's "iree" entry records the compiler and flags.
-
-The exported function is flat so that it needs no pytree registrations to load:
+The exported function is flat, so it loads with no pytree registrations
+(docs/renders.md#the-flat-signature):
 
     inputs  = state leaves, xs [k, R N, S, S, 3], ts [k, R N, K], key uint32[2]
     outputs = state leaves, loss (the step's mean loss), lr (the learning rate it used)
 
-State leaves (`step.state_names`: "step", "params/<timm name>", "buffers/<timm name>",
-"opt_state/...", "ema/0/<timm name>", ...) are replicated; xs and ts are sharded along their
-R N axis, replica r holding rows r N ... (r + 1) N - 1 of each micro-batch. ts are soft targets
-(BCE recipes transform them inside the step); key is ``jax.random.key_data`` of a threefry key.
-At R = 1 the program is the single-device step at batch N: no mesh, no collective.
-
-Dense convolutions are rendered as XLA convolutions on every platform (the ``conv`` path of
-`twinstep.ops.conv`), the form every XLA backend and IREE lower and the manifest counts; the
-Python step on XLA:CPU multiplies matrices instead (``matmul``), so a CPU render runs slower than
-`twinstep train` does without ``--artifact``. Depthwise convolutions take the platform's path.
+Dense convolutions render as XLA convolutions on every platform (the ``conv`` path), the form
+every XLA backend and IREE lower; depthwise convolutions take the platform's path.
 """
 
 from __future__ import annotations
@@ -58,7 +42,7 @@ IREE_SUFFIX = ".vmfb"  # the fourth file of an IREE-target render
 
 # xla: the three files; iree: and NAME.vmfb, IREE's llvm-cpu build of the StableHLO, whose
 # depthwise convolutions are grouped convolutions (IREE lowers them as depthwise convolutions:
-# in bench/RESULTS.md's MNv4 step a faster compile and step than the shifted multiply-adds
+# in bench/probes/RESULTS.md#iree_step a faster compile and step than the shifted multiply-adds
 # XLA:CPU needs, which in bf16 exceed IREE's stack limit for a dispatch)
 TARGETS = ("xla", "iree")
 
@@ -129,12 +113,12 @@ def _check_iree(cfg: RenderConfig) -> None:
 
 
 def iree_refusal(recipe: recipes.Recipe) -> str | None:
-    """Why IREE cannot run the recipe's step, if it cannot (bench/iree_renders.py compiles
-    these anyway and shows the failure)."""
+    """Why IREE cannot run the recipe's step, if it cannot (bench/probes/iree_renders.py
+    compiles these anyway and shows the failure)."""
     if recipe.accum > 1 and (recipe.drop or recipe.dropout):
         return (f"{recipe.name}: IREE 3.13's runtime fails steps that draw masks (drop path, "
                 f"dropout) in k >= 2 micro-steps: 'indirect buffer reference slot 0 is out "
-                f"range' (python bench/iree_masks.py); a recipe with masks renders for IREE at "
+                f"range' (tests/test_iree.py::test_iree_masks_with_x64); masks render for IREE at "
                 f"k = 1")
     return None
 
