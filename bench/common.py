@@ -1,4 +1,5 @@
-"""Benchmark helpers: interleaved medians against a peer in the same run, and RESULTS.md."""
+"""Benchmark helpers: interleaved medians against a peer in the same run, and the RESULTS.md
+files that keep each script's latest table under a stable heading."""
 
 from __future__ import annotations
 
@@ -9,7 +10,21 @@ import statistics
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+RESULTS = Path(__file__).with_name("RESULTS.md")  # the benchmarks' (bench/*.py)
+PROBE_RESULTS = RESULTS.parent / "probes" / "RESULTS.md"  # the probes' (bench/probes/*.py)
+# what a RESULTS.md file says of itself when a script creates it
+HEADERS = {
+    RESULTS: "# Benchmark results\n\n"
+             "The latest table of each benchmark in bench/ (bench/README.md lists them), under a\n"
+             "heading that does not change. Ratios compare peers timed in the same run (medians\n"
+             "of interleaved runs); absolute times vary run to run on a noisy machine. Each\n"
+             "section is rewritten whole by its script; earlier runs are in bench/history/.\n",
+    PROBE_RESULTS: "# Probe results\n\n"
+                   "The latest table of each probe in bench/probes/, under the script's name,\n"
+                   "with the design decision it backs. Ratios compare variants timed in the same\n"
+                   "run. Each section is rewritten whole by its script; earlier runs are in\n"
+                   "bench/history/.\n",
+}
 
 
 def block(tree):
@@ -81,14 +96,32 @@ def machine() -> str:
             f"{jax.default_backend()}; python {platform.python_version()}")
 
 
-def append_results(title: str, command: str, table_md: str, notes: str = "") -> None:
+def probe_decision(doc: str) -> str:
+    """The decision a probe backs, as its section of PROBE_RESULTS opens with it: from the first
+    line of the probe's docstring, "Probe for <the decision>:"."""
+    return "Decision: " + doc.splitlines()[0].removeprefix("Probe for ").rstrip(":") + "."
+
+
+def write_results(path: Path, heading: str, what: str, command: str, table_md: str,
+                  notes: str = "") -> None:
+    """Rewrite the section ``## heading`` of ``path`` (RESULTS or PROBE_RESULTS) with this run:
+    ``what`` was measured (the run's settings: nets, resolution, batch, R), when and on which
+    machine, the ``command``, the table and ``notes``. The section runs from its heading to the
+    next ``## `` line or the end; it is appended when absent, and a missing file is created
+    with its header. The heading never carries a run's settings, so docs can cite it."""
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    text = (f"\n## {title}\n\n{stamp} — {machine()}\n\n`{command}`\n\n{table_md}\n"
-            + (f"\n{notes}\n" if notes else ""))
-    if not RESULTS.exists():
-        RESULTS.write_text("# Benchmark results\n\nAppended by the scripts in bench/. Ratios "
-                           "compare peers timed in the same run (medians of interleaved runs); "
-                           "absolute times vary run to run on this noisy machine.\n")
-    with RESULTS.open("a") as f:
-        f.write(text)
-    print(text)
+    section = (f"## {heading}\n\n{what}\n\n{stamp} — {machine()}\n\n`{command}`\n\n"
+               f"{table_md.strip()}\n" + (f"\n{notes.strip()}\n" if notes else ""))
+    text = path.read_text() if path.exists() else HEADERS.get(path, "# Results\n")
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == f"## {heading}"), None)
+    if start is None:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
+                   len(lines))
+        after = "".join(lines[end:])
+        text = "".join(lines[:start]) + section + ("\n" + after if after else "")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(section)

@@ -9,8 +9,10 @@
 # [cuda] extra is installed, from wheels in ./.wheels when that folder exists (no network needed:
 # `pip download 'jax[cuda12]>=0.10.2,<0.11' -d .wheels` on a machine that has one), else from the
 # package index. twinstep itself runs from this checkout (PYTHONPATH), not installed.
-# Results: bench/gpu_step.json, or $OUT/ when $OUT is set. Exit: 0 ran, 1 a bf16 check failed,
-# 2 no GPU, 3 environment error.
+# Results: bench/gpu_step.json (and the optimized HLO in bench/hlo/), or under $OUT/ when $OUT
+# is set; their numbers (img/s and MFU per net, the bf16 check's verdict) belong under the
+# heading "## GPU" of bench/RESULTS.md, written there by hand: this script writes JSON only.
+# Exit: 0 ran, 1 a bf16 check failed, 2 no GPU, 3 environment error.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

@@ -1,7 +1,8 @@
 """The cost of many processes: the same R replicas of N run as 1 process x R devices and as
 P processes x R/P devices each (`twinstep launch --local P`), the step time read from each run's
 metrics.jsonl (img/s past the first, compiling, step). Runs interleave (1 process, P processes,
-1, P, ...) and the medians are compared; the table is appended to bench/RESULTS.md.
+1, P, ...) and the medians are compared; the table rewrites the section "Many processes" of
+bench/RESULTS.md.
 
 What differs between the two: within one process XLA:CPU's all-reduce runs in shared memory;
 across processes the collectives go over gloo (TCP on localhost), and each process also runs
@@ -24,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import append_results  # noqa: E402
+from common import RESULTS, write_results  # noqa: E402
 
 
 def step_seconds(cmd: list[str], run_dir: str, rows: int, env: dict) -> float:
@@ -91,11 +92,12 @@ def main() -> None:
              f"{p} processes / 1 process: **{many / one:.2f}x** the step time "
              f"({(many - one) * 1e3:+.1f} ms a step). The final states of each pair (f32, "
              f"{args.steps} steps): {same} of {total} tensors bitwise equal.")
-    append_results(f"Many processes: {args.recipe} on {args.replicas} replicas, 1 process vs "
-                   f"{p} (digits, {args.res}², f32)",
-                   f"python bench/hosts.py --recipe {args.recipe} --replicas {args.replicas} "
-                   f"--processes {p} --res {args.res} --steps {args.steps} "
-                   f"--repeats {args.repeats}", table)
+    write_results(RESULTS, "Many processes",
+                  f"{args.recipe} on {args.replicas} replicas, 1 process against {p} (digits, "
+                  f"{args.res}², f32).",
+                  f"python bench/hosts.py --recipe {args.recipe} --replicas {args.replicas} "
+                  f"--processes {p} --res {args.res} --steps {args.steps} "
+                  f"--repeats {args.repeats}", table)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ XLA's intra-op threads and without.
 
 Sync-BN's overhead is the median of the per-round ratios synced / unsynced (rounds alternate
 their order), with its interquartile range: ``--sync-bn-only --runs 21`` measures only that.
+The table rewrites the section "Levers" of bench/RESULTS.md, or "Sync-BN overhead" with
+--sync-bn-only.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import append_results, block, interleaved_times, paired_ratio  # noqa: E402
+from common import RESULTS, block, interleaved_times, paired_ratio, write_results  # noqa: E402
 
 from twinstep import dp, program, recipes  # noqa: E402
 from twinstep.nets import get_net, layers  # noqa: E402
@@ -116,9 +118,12 @@ def main():
             for label in times:
                 lines.append(_row(name, res, label, times))
                 print(lines[-1], flush=True)
-    append_results(
-        f"XLA:CPU levers on the whole train step, R = {args.replicas}, global batch "
-        f"{args.global_batch}, f32", "python " + " ".join(sys.argv),
+    write_results(
+        RESULTS, "Sync-BN overhead" if args.sync_bn_only else "Levers",
+        ("Sync-BN's overhead: the gradient step with BN synchronised against per-replica "
+         "statistics" if args.sync_bn_only else "XLA:CPU levers on the whole train step")
+        + f", R = {args.replicas}, global batch {args.global_batch}, f32.",
+        "python " + " ".join(sys.argv),
         "| net | res | variant | ms/step | time / default (paired: median [IQR]) |\n"
         "|---|---|---|---|---|\n" + "\n".join(lines),
         f"Medians of {args.runs} interleaved runs; time / default < 1: faster. The ratio is the "

@@ -13,7 +13,7 @@ median of each round's ratio to twinstep (with its interquartile range), compile
 compile), and memory: XLA's planned bytes of the compiled program (arguments + outputs +
 temporaries) for the JAX peers; for torch the peak resident-set growth in a fresh process over
 building the model and two steps. Each replica count runs in a process of its own with exactly
-R virtual devices. Appends to bench/RESULTS.md and draws bench/peers.png.
+R virtual devices. Rewrites the section "Peers" of bench/RESULTS.md and draws bench/peers.png.
 
     python bench/peers.py [--nets resnet50 mnv4] [--res 64 128] [--replicas 2 4]
                           [--mnv4-res 64] [--mnv4-replicas 2] [--global-batch 8] [--runs 5]
@@ -65,10 +65,10 @@ import optax  # noqa: E402
 import torch  # noqa: E402
 from common import (  # noqa: E402
     RESULTS,
-    append_results,
     block,
     interleaved_times,
     paired_ratio,
+    write_results,
 )
 
 from twinstep import dp, optim, program, recipes  # noqa: E402
@@ -258,9 +258,9 @@ def main(args) -> None:
              "torch / twinstep | compile s (twinstep / flax) | MiB (twinstep / flax / torch) |\n"
              "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines))
     flags = os.environ.get("XLA_FLAGS", "")
-    append_results(
-        f"Whole DP train step, three peers, f32, global batch {args.global_batch}"
-        + (f", XLA_FLAGS={flags}" if flags else ""),
+    write_results(
+        RESULTS, "Peers", f"The whole DP train step, three peers, f32, global batch "
+        f"{args.global_batch}" + (f", XLA_FLAGS={flags}" if flags else "") + ".",
         "python " + " ".join(sys.argv), table,
         f"Medians of {args.runs} interleaved runs; a ratio is the median of the rounds' paired "
         "ratios (a round runs each peer once) [their interquartile range]; above 1 means "

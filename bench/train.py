@@ -1,5 +1,5 @@
 """The trainer's costs, timed in one run against its peers (medians of interleaved repeats);
-tables appended to bench/RESULTS.md.
+the tables rewrite the sections "Training loop" and "Data pipeline" of bench/RESULTS.md.
 
 1. The loop's overhead: a step of `twinstep train` (data from the loader's background thread,
    metrics, the loss read back every step) against the bare compiled step called on a batch
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-from common import append_results  # noqa: E402
+from common import RESULTS, write_results  # noqa: E402
 
 
 def loop_overhead(args) -> str:
@@ -138,18 +138,20 @@ def main() -> None:
     args = p.parse_args()
     command = "python bench/train.py " + " ".join(sys.argv[1:])
     if args.only != "pipeline":
-        append_results("The training loop against the bare step (digits, f32)", command,
-                       loop_overhead(args),
-                       "Loop: the median gap between steps of `twinstep train` (the first step, "
-                       "which compiles, and the last, which evaluates and checkpoints, left out). "
-                       "Bare: the same compiled step called on one batch in memory.")
+        write_results(RESULTS, "Training loop",
+                      "The training loop against the bare step (digits, f32).", command,
+                      loop_overhead(args),
+                      "Loop: the median gap between steps of `twinstep train` (the first step, "
+                      "which compiles, and the last, which evaluates and checkpoints, left out). "
+                      "Bare: the same compiled step called on one batch in memory.")
     if args.only == "loop":
         return
-    append_results("The data pipeline alone: timm's train transform, RandAugment m9, mixup / "
-                   "CutMix, 500 x 375 JPEGs to 224²", command, pipeline(args),
-                   "Images per second through `twinstep.data.loader.train_stream`, 32 rows a "
-                   "step, once the first batch is out, by loader worker processes (0: one "
-                   "background thread); the first batch's wait (the processes start) apart.")
+    write_results(RESULTS, "Data pipeline",
+                  "The data pipeline alone: timm's train transform, RandAugment m9, mixup / "
+                  "CutMix, 500 x 375 JPEGs to 224².", command, pipeline(args),
+                  "Images per second through `twinstep.data.loader.train_stream`, 32 rows a "
+                  "step, once the first batch is out, by loader worker processes (0: one "
+                  "background thread); the first batch's wait (the processes start) apart.")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""A checkpoint of the train state written by orbax in the two ways the trainer could: the R
+"""Probe for checkpoints of one host copy, not R replicas (twinstep/training/checkpoint.py):
+a checkpoint of the train state written by orbax in the two ways the trainer could: the R
 replicated device arrays as they are, or one host copy (NumPy; what `twinstep train` writes).
 Save (until orbax returns) and the wait for its background write, each the median of interleaved
 saves; the first save of each way (which compiles orbax's per-shape device programs) apart.
 
-    python bench/checkpoint.py [--recipe mnv4in_momdp2] [--replicas 4] [--precision f64]
-                               [--runs 5]
+    python bench/probes/checkpoint.py [--recipe mnv4in_momdp2] [--replicas 4] [--precision f64]
+                                      [--runs 5]
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 
 def _args():
@@ -34,7 +35,7 @@ def main(args) -> None:
     jax.config.update("jax_enable_x64", args.precision == "f64")
     import numpy as np
     import orbax.checkpoint as ocp
-    from common import append_results
+    from common import PROBE_RESULTS, probe_decision, write_results
 
     from twinstep import dp, program, recipes
     from twinstep.nets import get_net, layers
@@ -73,9 +74,10 @@ def main(args) -> None:
         s, w = statistics.median(saves), statistics.median(waits)
         rows.append(f"| {k} | {s:.2f} | {w:.2f} | {s + w:.2f} | {first:.1f} |")
     leaves = len(jax.tree.leaves(state))
-    append_results(
-        f"Checkpoint writes: {args.recipe}'s train state on R = {args.replicas}, "
-        f"{args.precision} ({leaves} arrays)", "python " + " ".join(sys.argv),
+    write_results(
+        PROBE_RESULTS, "checkpoint", probe_decision(__doc__) + "\n\nCheckpoint writes: "
+        f"{args.recipe}'s train state on R = {args.replicas}, {args.precision} ({leaves} "
+        "arrays).", "python " + " ".join(sys.argv),
         "| written as | save s | background write s | total s | first save s |\n"
         "|---|---|---|---|---|\n" + "\n".join(rows),
         f"Medians of {args.runs} interleaved saves after a first one.")

@@ -1,8 +1,8 @@
-"""The two dense conv paths (one XLA convolution per product vs windows times the kernel matrix),
-forward + both VJPs, on ResNet-50's 53 convolutions at its shapes for a given input — decides the
-platform default.
+"""Probe for the CPU default of the dense convolution (the matmul path, twinstep/ops/conv.py):
+the two dense conv paths (one XLA convolution per product vs windows times the kernel matrix),
+forward + both VJPs, on ResNet-50's 53 convolutions at its shapes for a given input.
 
-    python bench/dense_paths.py [--res 64 128] [--batch 8] [--runs 5] [--precision f32]
+    python bench/probes/dense_paths.py [--res 64 128] [--batch 8] [--runs 5] [--precision f32]
 """
 
 from __future__ import annotations
@@ -11,12 +11,19 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import append_results, block, interleaved_medians, op_chain  # noqa: E402
+from common import (  # noqa: E402
+    PROBE_RESULTS,
+    block,
+    interleaved_medians,
+    op_chain,
+    probe_decision,
+    write_results,
+)
 
 from twinstep.nets import get_net  # noqa: E402
 from twinstep.ops import conv  # noqa: E402
@@ -66,12 +73,13 @@ def main():
                         for p, t in med.items())
     table = ("| input | path | median ms (fwd + input-VJP + weight-VJP, 53 convolutions) "
              "| vs conv |\n|---|---|---|---|\n" + rows)
-    append_results(f"Dense conv paths, ResNet-50's convolutions, batch {args.batch}, "
-                   f"{args.precision}",
-                   f"python bench/dense_paths.py --res {' '.join(map(str, args.res))} "
-                   f"--batch {args.batch} --runs {args.runs} --precision {args.precision}", table,
-                   f"Platform default on {jax.default_backend()}: "
-                   f"{conv.default_dense_path()}.")
+    write_results(PROBE_RESULTS, "dense_paths",
+                  probe_decision(__doc__) + "\n\nDense conv paths, ResNet-50's convolutions, "
+                  f"batch {args.batch}, {args.precision}.",
+                  f"python bench/probes/dense_paths.py --res {' '.join(map(str, args.res))} "
+                  f"--batch {args.batch} --runs {args.runs} --precision {args.precision}", table,
+                  f"Platform default on {jax.default_backend()}: "
+                  f"{conv.default_dense_path()}.")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""The two depthwise paths (grouped convolution vs k^2 shifted multiply-adds), forward + both
-VJPs, on MobileNetV4-Conv-M's depthwise layers at a small input — decides the platform default.
+"""Probe for the CPU default of the depthwise convolution (the shift path, twinstep/ops/conv.py):
+the two depthwise paths (grouped convolution vs k^2 shifted multiply-adds), forward + both VJPs,
+on MobileNetV4-Conv-M's depthwise layers at a small input.
 
-    python bench/depthwise.py [--res 64] [--batch 8] [--runs 7] [--precision f32]
+    python bench/probes/depthwise.py [--res 64] [--batch 8] [--runs 7] [--precision f32]
 """
 
 from __future__ import annotations
@@ -10,12 +11,19 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import append_results, block, interleaved_medians, op_chain  # noqa: E402
+from common import (  # noqa: E402
+    PROBE_RESULTS,
+    block,
+    interleaved_medians,
+    op_chain,
+    probe_decision,
+    write_results,
+)
 
 from twinstep.ops import conv  # noqa: E402
 from twinstep.ops.precision import get_precision  # noqa: E402
@@ -47,12 +55,13 @@ def main():
     table = ("| path | median s (fwd + input-VJP + weight-VJP, 10 layers) | vs shift |\n"
              "|---|---|---|\n" + "".join(f"| {p} | {t:.4f} | {t / med['shift']:.2f}x |\n"
                                         for p, t in med.items()))
-    append_results(f"Depthwise paths, MNv4-Conv-M layers, batch {args.batch} at "
-                   f"{args.res}², {args.precision}",
-                   f"python bench/depthwise.py --res {args.res} --batch {args.batch} "
-                   f"--runs {args.runs} --precision {args.precision}", table,
-                   f"Platform default on {jax.default_backend()}: "
-                   f"{conv.default_depthwise_path()}.")
+    write_results(PROBE_RESULTS, "depthwise",
+                  probe_decision(__doc__) + "\n\nDepthwise paths, MNv4-Conv-M layers, batch "
+                  f"{args.batch} at {args.res}², {args.precision}.",
+                  f"python bench/probes/depthwise.py --res {args.res} --batch {args.batch} "
+                  f"--runs {args.runs} --precision {args.precision}", table,
+                  f"Platform default on {jax.default_backend()}: "
+                  f"{conv.default_depthwise_path()}.")
 
 
 if __name__ == "__main__":

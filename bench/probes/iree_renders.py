@@ -1,10 +1,11 @@
-"""Which renders IREE compiles and runs (issue 17): every reference name and preset ('render
+"""Probe for the recipes 'render --target iree' refuses (iree_refusal, rendering/render.py):
+which renders IREE compiles and runs (issue 17): every reference name and preset ('render
 --all') at R = 1, 32², K = 1000, its default precision, in the form 'render --target iree'
 exports (grouped depthwise convolutions), compiled by IREE's llvm-cpu backend, then one step run
 by IREE's runtime from a fresh state. The recipes 'render --target iree' refuses (masks in
 k >= 2 micro-steps: `twinstep.rendering.render.iree_refusal`) are compiled and run too, to show why.
 
-    python bench/iree_renders.py [--only NAME ...]
+    python bench/probes/iree_renders.py [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import numpy as np  # noqa: E402
-from common import append_results  # noqa: E402
+from common import PROBE_RESULTS, probe_decision, write_results  # noqa: E402
 from iree_step import CLASSES, inputs  # noqa: E402
 
 from twinstep.errors import BackendError  # noqa: E402
@@ -61,8 +62,9 @@ def main():
     for name in args.only or render.all_names():
         rows.append(one(name))
         print(rows[-1], flush=True)
-    append_results(
-        f"Renders on IREE llvm-cpu: R = 1, {RES}², K = {CLASSES}, each recipe's precision",
+    write_results(
+        PROBE_RESULTS, "iree_renders", probe_decision(__doc__) + "\n\nRenders on IREE "
+        f"llvm-cpu: R = 1, {RES}², K = {CLASSES}, each recipe's precision.",
         "python " + " ".join(sys.argv),
         "| name | precision | `--target iree` | compile s | first step on IREE's runtime |\n"
         "|---|---|---|---|---|\n" + "\n".join(rows),

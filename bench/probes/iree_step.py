@@ -1,4 +1,5 @@
-"""One recipe, two compilers (issue 17): the R = 1 render of a recipe's whole train step compiled
+"""Probe for grouped depthwise convolutions in IREE renders (twinstep/rendering/render.py):
+one recipe, two compilers (issue 17): the R = 1 render of a recipe's whole train step compiled
 by XLA:CPU (jax.jit of the export, as 'render' writes it) and by IREE's llvm-cpu backend (the
 StableHLO 'render --target iree' compiles, with its flags), run on the same inputs, each with
 its inputs already on its device. Compile seconds of each, and the step's median over
@@ -6,7 +7,7 @@ interleaved runs; the two steps' losses side by side. The two StableHLO texts ar
 for ResNet-50; for MNv4 they differ in the depthwise convolutions' form (shifted multiply-adds
 for XLA:CPU, grouped convolutions for IREE), and each compiler also runs the other's form.
 
-    python bench/iree_step.py [--recipe resnet50in_adamdp8] [--res 64] [--runs 5]
+    python bench/probes/iree_step.py [--recipe resnet50in_adamdp8] [--res 64] [--runs 5]
 """
 
 from __future__ import annotations
@@ -16,11 +17,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from common import append_results, block, interleaved_medians  # noqa: E402
+from common import (  # noqa: E402
+    PROBE_RESULTS,
+    block,
+    interleaved_medians,
+    probe_decision,
+    write_results,
+)
 
 from twinstep import program, recipes  # noqa: E402
 from twinstep.checking import inputs as tie_inputs  # noqa: E402
@@ -80,9 +87,9 @@ def main():
     med = interleaved_medians(fns, runs=args.runs)
     rows = [f"| {k} | {compile_s[k]:.1f} | {v * 1e3:.0f} | {v / med['XLA:CPU']:.2f} | "
             f"{losses[k]:.6f} |" for k, v in med.items()]
-    append_results(
-        f"One render on XLA:CPU and on IREE llvm-cpu: {args.recipe}, R = 1, {args.res}², "
-        f"f32, K = {CLASSES}",
+    write_results(
+        PROBE_RESULTS, "iree_step", probe_decision(__doc__) + "\n\nOne render on XLA:CPU and "
+        f"on IREE llvm-cpu: {args.recipe}, R = 1, {args.res}², f32, K = {CLASSES}.",
         "python " + " ".join(sys.argv),
         "| compiler | compile s | step median ms | / XLA | loss |\n|---|---|---|---|---|\n"
         + "\n".join(rows),

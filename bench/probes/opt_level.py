@@ -1,9 +1,11 @@
-"""XLA -O0 (`twinstep.dp.FAST_COMPILE`) against XLA's default optimization, for the programs the
+"""Probe for XLA -O0 only where compiling dominates (dp.FAST_COMPILE, --fast-compile):
+XLA -O0 (`twinstep.dp.FAST_COMPILE`) against XLA's default optimization, for the programs the
 ties compile: the single-device whole train step of each net in f64 (the tie's set-up, R N = 8
 at 32²). Compile seconds once each; run seconds as medians of interleaved runs. A tie that runs
-its program n times pays compile + n x run: -O0 pays only where the compile dominates.
+its program n times pays compile + n x run: -O0 pays only where the compile dominates (the
+suite compiles MobileNetV4's ties at -O0, ResNet-50's at the default: tests/conftest.py).
 
-    python bench/opt_level.py [--nets resnet50 mnv4] [--runs 5]
+    python bench/probes/opt_level.py [--nets resnet50 mnv4] [--runs 5]
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import jax  # noqa: E402
 
@@ -25,10 +27,16 @@ from twinstep import dp  # noqa: E402
 dp.ensure_devices(4)  # train_programs builds the R = 4 replica program too (not compiled here)
 
 import numpy as np  # noqa: E402
-from common import append_results, block, interleaved_medians  # noqa: E402
+from common import (  # noqa: E402
+    PROBE_RESULTS,
+    block,
+    interleaved_medians,
+    probe_decision,
+    write_results,
+)
 
 from twinstep import recipes  # noqa: E402
-from twinstep.checking import tie, trajectory  # noqa: E402
+from twinstep.checking import inputs, tie, trajectory  # noqa: E402
 from twinstep.nets import NETS, get_net  # noqa: E402
 
 RECIPES = {"resnet50": "resnet50in_adamdp2", "mnv4": "mnv4in_adamdp2"}
@@ -39,7 +47,7 @@ def programs(name: str):
     r = recipes.parse(RECIPES[name])
     cfg = tie.TieConfig(net=name, replicas=4, batch=r.batch, recipe=RECIPES[name])
     net = get_net(name)
-    params, buffers, _, _ = tie.setup(cfg, net)
+    params, buffers, _, _ = inputs.setup(cfg, net)
     n = cfg.replicas * cfg.batch
     rng = np.random.default_rng(0)
     xs = rng.standard_normal((1, n, cfg.res, cfg.res, 3))
@@ -47,7 +55,7 @@ def programs(name: str):
     out = {}
     for level, fast in (("-O0", True), ("default", False)):
         single, _ = trajectory.train_programs(net, r, dataclasses.replace(cfg, fast_compile=fast),
-                                       tie.tie_precision("f64"))
+                                              inputs.tie_precision("f64"))
         args = (single.init(params, buffers), xs, ts, jax.random.key(0), np.arange(n))
         lowered = single.step.lower(*args)
         t0 = time.perf_counter()
@@ -82,10 +90,12 @@ def main():
     table = ("| net | compile -O0 s | compile default s | run -O0 s | run default s | "
              "run -O0 / default | runs at which they break even |\n"
              "|---|---|---|---|---|---|---|\n" + "\n".join(rows))
-    append_results("XLA -O0 vs default: the single-device f64 train step (Adam, 8 rows, 32²)",
-                   "python bench/opt_level.py " + " ".join(sys.argv[1:]), table,
-                   "The ties run each program 3-8 times (reference, nudged and reordered "
-                   "trajectories; noise floors): -O0 only where it breaks even above that.")
+    write_results(PROBE_RESULTS, "opt_level",
+                  probe_decision(__doc__) + "\n\nXLA -O0 against the default: the "
+                  "single-device f64 train step (Adam, 8 rows, 32²).",
+                  "python bench/probes/opt_level.py " + " ".join(sys.argv[1:]), table,
+                  "The ties run each program 3-8 times (reference, nudged and reordered "
+                  "trajectories; noise floors): -O0 only where it breaks even above that.")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""The accumulation scan's body against the same gradient step outside any loop, single device,
+"""Probe for dense convolutions in XLA:CPU's canonical NHWC / HWIO form (twinstep/ops/conv.py):
+the accumulation scan's body against the same gradient step outside any loop, single device,
 f32, timed in one run: ``accumulate`` at k = 1 and k = 2 (the train step's micro-steps, inside a
 ``lax.scan``) vs ``grad_step`` (the entry computation). XLA:CPU canonicalizes convolution
 layouts in the entry computation but not in a while loop's body; a ratio near 1 per micro-step
 says the body runs as fast as the step outside it.
 
-    python bench/scan_body.py [--nets resnet50 mnv4] [--res 64] [--batch 4] [--runs 5]
+    python bench/probes/scan_body.py [--nets resnet50 mnv4] [--res 64] [--batch 4] [--runs 5]
 """
 
 from __future__ import annotations
@@ -13,12 +14,18 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import append_results, block, interleaved_medians  # noqa: E402
+from common import (  # noqa: E402
+    PROBE_RESULTS,
+    block,
+    interleaved_medians,
+    probe_decision,
+    write_results,
+)
 
 from twinstep import program, recipes, step  # noqa: E402
 from twinstep.nets import get_net, layers  # noqa: E402
@@ -65,9 +72,10 @@ def main():
                      f"{med['accumulate k=2'] * 1e3:.0f} | **{med['accumulate k=1'] / g:.2f}** | "
                      f"**{med['accumulate k=2'] / (2 * g):.2f}** |")
         print(lines[-1], flush=True)
-    append_results(
-        f"The accumulation scan's body vs the step outside it, one device, {args.res}², "
-        f"N = {args.batch}, f32", "python " + " ".join(sys.argv),
+    write_results(
+        PROBE_RESULTS, "scan_body", probe_decision(__doc__) + "\n\nThe accumulation scan's "
+        f"body against the step outside it, one device, {args.res}², N = {args.batch}, f32.",
+        "python " + " ".join(sys.argv),
         "| net | grad_step ms | accumulate k=1 ms | k=2 ms | k=1 / grad_step | "
         "k=2 / (2 grad_step) |\n|---|---|---|---|---|---|\n" + "\n".join(lines),
         f"Medians of {args.runs} interleaved runs.")

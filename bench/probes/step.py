@@ -1,8 +1,10 @@
-"""One training step (forward + backward to every parameter gradient, f32, CPU) of the explicit
+"""Probe for the hand-written backward chain instead of jax.grad (twinstep/step.py, ops/):
+one training step (forward + backward to every parameter gradient, f32, CPU) of the explicit
 chain against two peers timed in the same run: ``jax.grad`` of the same forward, and timm's
-model with torch autograd. Medians of interleaved runs; ratios appended to bench/RESULTS.md.
+model with torch autograd. Medians of interleaved runs; the ratios rewrite the section "step"
+of bench/probes/RESULTS.md.
 
-    python bench/step.py [--nets resnet50 mnv4] [--res 32 64] [--batch 8] [--runs 7]
+    python bench/probes/step.py [--nets resnet50 mnv4] [--res 32 64] [--batch 8] [--runs 7]
 """
 
 from __future__ import annotations
@@ -11,13 +13,19 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import append_results, block, interleaved_medians  # noqa: E402
+from common import (  # noqa: E402
+    PROBE_RESULTS,
+    block,
+    interleaved_medians,
+    probe_decision,
+    write_results,
+)
 
 from twinstep import program  # noqa: E402
 from twinstep.checking import parity
@@ -87,8 +95,9 @@ def main():
     table = ("| net | res | explicit ms | jax.grad ms | timm+torch ms | explicit / jax.grad | "
              "explicit / torch | grouped-depthwise chain / explicit |\n"
              "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
-    append_results(f"Train step (fwd + bwd), f32, batch {args.batch}",
-                   "python bench/step.py " + " ".join(sys.argv[1:]), table)
+    write_results(PROBE_RESULTS, "step", probe_decision(__doc__) + "\n\nThe train step "
+                  f"(forward + backward), f32, batch {args.batch}.",
+                  "python bench/probes/step.py " + " ".join(sys.argv[1:]), table)
 
 
 if __name__ == "__main__":

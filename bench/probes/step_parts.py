@@ -1,9 +1,12 @@
-"""Where twinstep's train step spends the time the Flax peer's does not, one device (no
+"""Probe for keeping OIHW kernels untransposed inside the step (_windows, twinstep/ops/conv.py):
+where twinstep's train step spends the time the Flax peer's does not, one device (no
 collective), f32, timed in one run: the whole train step of each (forward, loss, backward,
 AdamW), each one's gradient step alone, and optax's AdamW alone on the same parameters. The
-differences split a train-step ratio into its gradient part and the rest.
+differences split a train-step ratio into its gradient part and the rest: the rest was AdamW
+reading every kernel's gradient through a transpose to timm's OIHW, which the matmul path's
+windows, taken in the OIHW kernel's own order, no longer need (bench/history/2026-12-03.md).
 
-    python bench/step_parts.py [--net resnet50] [--res 64] [--batch 8] [--runs 5]
+    python bench/probes/step_parts.py [--net resnet50] [--res 64] [--batch 8] [--runs 5]
 """
 
 from __future__ import annotations
@@ -12,14 +15,19 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, flax_peer
 
-import flax_peer  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from common import append_results, block, interleaved_medians  # noqa: E402
+from common import (  # noqa: E402
+    PROBE_RESULTS,
+    block,
+    interleaved_medians,
+    probe_decision,
+    write_results,
+)
 
 from twinstep import dp, optim, program, recipes, step  # noqa: E402
 from twinstep.nets import get_net, layers  # noqa: E402
@@ -39,6 +47,8 @@ def _stepper(compiled, state, *args):
 
 
 def parts(name: str, res: int, batch: int) -> dict:
+    import flax_peer  # the [bench] extra's Flax: imported here, so that --help needs none
+
     net = get_net(name)
     shapes = net.param_shapes(CLASSES)
     params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns())
@@ -87,8 +97,9 @@ def main():
     med = interleaved_medians(parts(args.net, args.res, args.batch), runs=args.runs)
     ref = med["flax train step"]
     rows = [f"| {k} | {v * 1e3:.0f} | {v / ref:.2f} |" for k, v in med.items()]
-    append_results(
-        f"The train step in parts, {args.net} {args.res}², one device, N = {args.batch}, f32",
+    write_results(
+        PROBE_RESULTS, "step_parts", probe_decision(__doc__) + "\n\nThe train step in parts, "
+        f"{args.net} {args.res}², one device, N = {args.batch}, f32.",
         "python " + " ".join(sys.argv),
         "| program | median ms | / flax train step |\n|---|---|---|\n" + "\n".join(rows),
         f"Medians of {args.runs} interleaved runs.")
