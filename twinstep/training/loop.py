@@ -64,46 +64,77 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     state = prog.place(state)
     start = int(cluster.local_value(state.step))
 
-    # --- the loop: step, log, evaluate, checkpoint
+    # --- the loop: step, log, evaluate, checkpoint. The host never waits for the device
+    # between boundaries (the first step, which compiles; a log, eval or checkpoint step; the
+    # last): the next batch goes to the devices while a step runs, and a step's metrics are
+    # read back at the next boundary, which stops at the first non-finite loss before anything
+    # is written — so a checkpoint never holds a state past a bad step.
     per_step = cfg.rows * recipe.accum  # images per optimizer step
-    rows = _batch_sharding(cfg) if cluster.count() > 1 else None  # this process's rows go there
     stream = loader.train_stream(src, _augment(src, recipe), cfg.seed, start, cfg.steps,
                                  recipe.accum, cfg.rows, get_precision(cfg.precision).dtype,
                                  cfg.workers, cluster.local_rows(cfg.rows))
     say = progress if progress and cluster.is_primary() else (lambda step, metrics: None)
     warn = warn or (lambda text: None)
-    last_eval, skipped, t0 = {}, 0, time.perf_counter()
+    last_eval, skipped, pending, t0 = {}, 0, [], time.perf_counter()
+    record = {"step": start, "epoch": 0.0, "loss": math.nan, "lr": math.nan, "skipped": 0,
+              "img_per_s": 0.0}
     with _run_log(cfg.out, start) as log, checkpoints, contextlib.closing(stream):
-        for s, (xs, ts, sk) in zip(range(start, cfg.steps), stream, strict=True):
+        for s, (xs, ts, sk) in zip(range(start, cfg.steps), _ahead(stream, cfg), strict=True):
             done = s + 1
             if sk and not skipped:
                 warn(f"step {done}: an image that does not decode was replaced by the next "
                      f"one of its split (counted as 'skipped' in metrics.jsonl)")
             skipped += sk
-            if rows is not None:
-                xs, ts = (cluster.global_array(a, rows, (a.shape[0], cfg.rows, *a.shape[2:]))
-                          for a in (xs, ts))
             key = jax.random.fold_in(jax.random.key(cfg.seed), s)
             state, m = cluster.run_together(prog.step, state, xs, ts, key)
-            loss = float(cluster.local_value(m["loss"]))
-            if not math.isfinite(loss):
-                raise NonFinite(f"the loss is {loss} at step {done}; the last checkpoint "
-                                f"(step {checkpoints.latest()}) is intact")
+            pending.append((done, m))
+            record |= {"step": done, "epoch": done * per_step / len(src.train_labels)}
+            logs, evals, saves = (done % k == 0 or done == cfg.steps
+                                  for k in (cfg.log_every, cfg.eval_every, cfg.ckpt_every))
+            if not (logs or evals or saves or done == start + 1):
+                say(done, dict(record))
+                continue
+            for at, metrics in pending:
+                loss = float(cluster.local_value(metrics["loss"]))
+                if not math.isfinite(loss):
+                    raise NonFinite(f"the loss is {loss} at step {at}; the last checkpoint "
+                                    f"(step {checkpoints.latest()}) is intact")
+            pending.clear()
             if done == start + 1:
                 t0 = time.perf_counter()  # the first step compiles: img/s from its end
-            record = {"step": done, "epoch": done * per_step / len(src.train_labels),
-                      "loss": loss, "lr": float(cluster.local_value(m["lr"])),
-                      "skipped": skipped, "img_per_s": (done - start - 1) * per_step
-                      / max(time.perf_counter() - t0, 1e-9)}
-            if done % cfg.log_every == 0 or done == cfg.steps:
+            record |= {"loss": loss, "lr": float(cluster.local_value(m["lr"])),
+                       "skipped": skipped, "img_per_s": (done - start - 1) * per_step
+                       / max(time.perf_counter() - t0, 1e-9)}
+            if logs:
                 log.train({**record, "skipped": int(cluster.total([skipped])[0])})
-            if done % cfg.eval_every == 0 or done == cfg.steps:
+            if evals:
                 last_eval = evaluation.evaluate(src, cfg, state, eval_fn)
                 log.eval(done, last_eval)
-            if done % cfg.ckpt_every == 0 or done == cfg.steps:
+            if saves:
                 checkpoints.save(done, state)
             say(done, {**record, **({"eval": last_eval} if last_eval else {})})
         return last_eval or evaluation.evaluate(src, cfg, state, eval_fn)
+
+
+def _ahead(stream, cfg: TrainConfig):
+    """The stream's batches (xs, ts, images skipped), each on the replicas one step before it
+    runs: batch s + 1 is put while step s runs. With several processes each puts its own rows
+    into the global batch."""
+    rows = _batch_sharding(cfg)
+
+    def place(a):
+        if cluster.count() > 1:
+            return cluster.global_array(a, rows, (a.shape[0], cfg.rows, *a.shape[2:]))
+        return jax.device_put(a, rows)
+
+    placed = None
+    for xs, ts, skipped in stream:
+        ahead = place(xs), place(ts), skipped
+        if placed is not None:
+            yield placed
+        placed = ahead
+    if placed is not None:
+        yield placed
 
 
 def _augment(src, recipe: recipes.Recipe) -> loader.Augment:
