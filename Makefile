@@ -79,10 +79,12 @@ $(VENV)/.installed-bench: pyproject.toml $(VENV)/.installed-test
 	touch $@
 
 # The speed tables (bench/RESULTS.md, bench/peers.png): the whole DP train step against the Flax
-# NNX peer and timm + torch, then XLA:CPU's levers and sync-BN's overhead. About an hour here.
+# NNX peer and timm + torch, then XLA:CPU's levers and sync-BN's overhead, then the data pipeline
+# against timm's loader. About an hour here.
 bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/peers.py
 	$(BIN)/python bench/levers.py
+	$(BIN)/python bench/loader.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

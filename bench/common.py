@@ -81,6 +81,11 @@ def paired_ratio(times: list, base: list) -> tuple[float, float, float]:
     return median, q1, q3
 
 
+def machine_load() -> float:
+    """The machine's 1-minute load average: how busy it was while a benchmark ran."""
+    return os.getloadavg()[0]
+
+
 def machine() -> str:
     import jax
 

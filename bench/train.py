@@ -1,16 +1,14 @@
-"""The trainer's costs, timed in one run against its peers (medians of interleaved repeats);
-the tables rewrite the sections "Training loop" and "Data pipeline" of bench/RESULTS.md.
+"""The training loop's cost, timed in one run against its peers (medians of interleaved
+repeats); the table rewrites the section "Training loop" of bench/RESULTS.md (the data pipeline
+is bench/loader.py's).
 
-1. The loop's overhead: a step of `twinstep train` (data from the loader's background thread,
-   put on the devices a step ahead; metrics read back at log, eval and checkpoint steps) against
-   the bare compiled step dispatched back to back on a batch already on the devices — the same
-   compiled program, captured from the trainer — and against that step with a read-back after
-   each call.
-2. The data pipeline alone: images per second of timm's train transform + RandAugment + mixup
-   on JPEGs at 224, by loader worker count.
+A step of `twinstep train` (data from the loader's background thread, put on the devices a step
+ahead; metrics read back at log, eval and checkpoint steps) against the bare compiled step
+dispatched back to back on a batch already on the devices — the same compiled program, captured
+from the trainer — and against that step with a read-back after each call.
 
     python bench/train.py [--recipe mnv4in_adamdp16] [--replicas 4] [--res 32] [--steps 20]
-                          [--repeats 5] [--workers 0 1 2] [--images 64]
+                          [--repeats 5]
 """
 
 from __future__ import annotations
@@ -100,46 +98,6 @@ def loop_overhead(args) -> str:
             f"{ba * 1e3:.1f} | {lo / ba - 1:+.1%} | {rd * 1e3:.1f} | {rd / ba - 1:+.1%} |")
 
 
-def pipeline(args) -> str:
-    from PIL import Image
-    from sklearn.datasets import load_digits
-
-    from twinstep.data import loader, mix
-
-    rows = 32
-    with tempfile.TemporaryDirectory() as tmp:
-        d, rng = load_digits(), np.random.default_rng(0)
-        for i in range(args.images):  # 500 x 375 JPEGs, ImageNet's typical size
-            a = (d.images[i] * 16).astype(np.uint8)
-            big = np.asarray(Image.fromarray(a).resize((500, 375)), np.float32)
-            rgb = np.stack([big, big[::-1, ::-1], 255 - big], -1) + rng.normal(0, 20, (375, 500, 3))
-            for split in ("train", "val"):
-                os.makedirs(os.path.join(tmp, split, str(i % 4)), exist_ok=True)
-                Image.fromarray(rgb.clip(0, 255).astype(np.uint8)).save(
-                    os.path.join(tmp, split, str(i % 4), f"{i}.jpg"), quality=90)
-        src = loader.Folder(tmp, 224)
-        augment = loader.Augment(9, mix.MixParams(0.2, 1.0))
-        rates: dict = {w: [] for w in args.workers}
-        starts: dict = {w: [] for w in args.workers}
-        for _ in range(args.repeats):
-            for w in args.workers:
-                t0 = time.perf_counter()
-                stream = loader.train_stream(src, augment, 0, 0, args.pipeline_steps, 1, rows,
-                                             np.float32, w)
-                next(stream)
-                t1 = time.perf_counter()
-                for _batch in stream:
-                    pass
-                starts[w].append(t1 - t0)
-                rates[w].append((args.pipeline_steps - 1) * rows / (time.perf_counter() - t1))
-    head = ("| workers | img/s after the first batch (median) | vs 0 workers | first batch s |"
-            "\n|---|---|---|---|\n")
-    base = statistics.median(rates[args.workers[0]])
-    return head + "\n".join(f"| {w} | {statistics.median(r):.0f} | "
-                            f"{statistics.median(r) / base:.2f}x | "
-                            f"{statistics.median(starts[w]):.1f} |" for w, r in rates.items())
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="mnv4in_adamdp16")
@@ -147,29 +105,16 @@ def main() -> None:
     p.add_argument("--res", type=int, default=32)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--images", type=int, default=64)
-    p.add_argument("--pipeline-steps", type=int, default=12)
-    p.add_argument("--only", choices=("loop", "pipeline"))
     args = p.parse_args()
     command = "python bench/train.py " + " ".join(sys.argv[1:])
-    if args.only != "pipeline":
-        write_results(RESULTS, "Training loop",
-                      "The training loop against the bare step (digits, f32).", command,
-                      loop_overhead(args),
-                      "Loop: `twinstep train`'s ms per step over every step after the first "
-                      "(which compiles), from its last train record (img/s, read back at the "
-                      "end). Bare: the same compiled step dispatched back to back on one batch "
-                      "on the devices; with a read-back: the loss read after each call. "
-                      "Medians of interleaved repeats.")
-    if args.only == "loop":
-        return
-    write_results(RESULTS, "Data pipeline",
-                  "The data pipeline alone: timm's train transform, RandAugment m9, mixup / "
-                  "CutMix, 500 x 375 JPEGs to 224².", command, pipeline(args),
-                  "Images per second through `twinstep.data.loader.train_stream`, 32 rows a "
-                  "step, once the first batch is out, by loader worker processes (0: one "
-                  "background thread); the first batch's wait (the processes start) apart.")
+    write_results(RESULTS, "Training loop",
+                  "The training loop against the bare step (digits, f32).", command,
+                  loop_overhead(args),
+                  "Loop: `twinstep train`'s ms per step over every step after the first "
+                  "(which compiles), from its last train record (img/s, read back at the "
+                  "end). Bare: the same compiled step dispatched back to back on one batch "
+                  "on the devices; with a read-back: the loss read after each call. "
+                  "Medians of interleaved repeats.")
 
 
 if __name__ == "__main__":

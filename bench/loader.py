@@ -1,0 +1,162 @@
+"""The training data pipeline against timm's loader, in one interleaved run: images per second
+delivered as mixed training batches, by worker count, with and without RandAugment.
+
+  twinstep  `twinstep.data.loader.train_stream` over an image folder: timm's train transform
+            (random-resized crop, flip, RandAugment rand-m9-mstd0.5-inc1), mixup / CutMix over
+            the batch, float32 batches; 0 workers is one background thread
+  timm      `timm.data.create_loader` (a torch DataLoader, its worker processes) over the same
+            folder with the same transform (train interpolation 'random', no colour jitter —
+            twinstep has none), then `timm.data.Mixup` on each batch as timm's train.py applies
+            it; 0 workers is the calling thread
+
+Both read the same JPEGs (ImageNet-sized, 500 x 375, q90) at 224². img/s per core divides by
+the cores the pipeline keeps busy (its workers, or one); the projection says how many such
+cores feed 8,000 img/s (the ResNet-50 goal of one H200). The table rewrites the section "Data
+pipeline" of bench/RESULTS.md. Needs the [oracle] extra (torch, timm).
+
+    python bench/loader.py [--workers 0 1 2] [--images 64] [--steps 12] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+from common import RESULTS, machine_load, write_results  # noqa: E402
+
+ROWS = 32  # images per batch
+RES = 224
+RANDAUGMENT = 9
+MIXUP, CUTMIX = 0.2, 1.0
+GOAL = 8000  # img/s: the ResNet-50 step's goal on one H200 (bench/RESULTS.md#gpu)
+
+
+def write_folder(root: str, images: int) -> None:
+    """``images`` 500 x 375 RGB JPEGs (q90) per split in 4 classes, from the bundled digits
+    upsampled with noise, so a decode costs what an ImageNet photo's does."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits, rng = load_digits(), np.random.default_rng(0)
+    for i in range(images):
+        a = (digits.images[i] * 16).astype(np.uint8)
+        big = np.asarray(Image.fromarray(a).resize((500, 375)), np.float32)
+        rgb = np.stack([big, big[::-1, ::-1], 255 - big], -1) + rng.normal(0, 20, (375, 500, 3))
+        for split in ("train", "val"):
+            folder = os.path.join(root, split, str(i % 4))
+            os.makedirs(folder, exist_ok=True)
+            Image.fromarray(rgb.clip(0, 255).astype(np.uint8)).save(
+                os.path.join(folder, f"{i}.jpg"), quality=90)
+
+
+def twinstep_batches(root: str, workers: int, randaugment: bool, steps: int):
+    """A generator of twinstep's training batches (and the callable that stops it)."""
+    from twinstep.data import loader, mix
+
+    src = loader.Folder(root, RES)
+    augment = loader.Augment(RANDAUGMENT if randaugment else None, mix.MixParams(MIXUP, CUTMIX))
+    stream = loader.train_stream(src, augment, 0, 0, steps, 1, ROWS, np.float32, workers)
+    return stream, stream.close
+
+
+def timm_batches(root: str, workers: int, randaugment: bool, steps: int):
+    """timm's loader and Mixup, as timm's train.py builds them on a machine with no GPU."""
+    import torch
+    from timm.data import ImageDataset, Mixup, create_loader
+
+    dataset = ImageDataset(os.path.join(root, "train"))
+    loader = create_loader(dataset, (3, RES, RES), ROWS, is_training=True,
+                           auto_augment=f"rand-m{RANDAUGMENT}-mstd0.5-inc1" if randaugment
+                           else None, color_jitter=0.0, interpolation="random",
+                           num_workers=workers, use_prefetcher=False, device=torch.device("cpu"),
+                           persistent_workers=workers > 0)
+    mixup = Mixup(mixup_alpha=MIXUP, cutmix_alpha=CUTMIX, num_classes=4)
+
+    def batches():
+        done = 0
+        while True:
+            for x, y in loader:
+                if len(x) < ROWS:  # timm's train loader drops the last partial batch
+                    continue
+                yield mixup(x, y)
+                done += 1
+                if done == steps:
+                    return
+
+    return batches(), lambda: None
+
+
+def rate(make, root: str, workers: int, randaugment: bool, steps: int) -> tuple[float, float]:
+    """(img/s after the first batch, the first batch's wait in s)."""
+    batches, close = make(root, workers, randaugment, steps)
+    t0 = time.perf_counter()
+    next(batches)
+    t1 = time.perf_counter()
+    n = sum(1 for _ in batches)
+    close()
+    return n * ROWS / (time.perf_counter() - t1), t1 - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--images", type=int, default=64, help="JPEGs per split (default 64)")
+    p.add_argument("--steps", type=int, default=12, help="batches per measurement")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    if args.images < ROWS:
+        p.error(f"--images must be >= {ROWS}, a batch (timm's training loader drops a partial "
+                f"batch)")
+    peers = {"twinstep": twinstep_batches, "timm": timm_batches}
+    cases = [(ra, w) for ra in (True, False) for w in args.workers]
+    rates: dict = {(peer, ra, w): [] for peer in peers for ra, w in cases}
+    starts: dict = {key: [] for key in rates}
+    load = []
+    with tempfile.TemporaryDirectory() as root:
+        write_folder(root, args.images)
+        for i in range(args.repeats):  # interleaved; every other round in reverse order
+            for ra, w in cases if i % 2 == 0 else cases[::-1]:
+                for peer in peers if i % 2 == 0 else list(peers)[::-1]:
+                    r, s = rate(peers[peer], root, w, ra, args.steps)
+                    rates[peer, ra, w].append(r)
+                    starts[peer, ra, w].append(s)
+            load.append(machine_load())
+    med = {key: statistics.median(v) for key, v in rates.items()}
+    lines = ["| RandAugment | workers | twinstep img/s | timm img/s | twinstep / timm | "
+             "twinstep img/s per core | timm img/s per core | twinstep vs its 1 worker |",
+             "|---|---|---|---|---|---|---|---|"]
+    for ra, w in cases:
+        ours, theirs = med["twinstep", ra, w], med["timm", ra, w]
+        one = med.get(("twinstep", ra, 1))
+        lines.append(f"| {'m9' if ra else 'off'} | {w} | {ours:.0f} | {theirs:.0f} | "
+                     f"**{ours / theirs:.2f}** | {ours / max(w, 1):.0f} | "
+                     f"{theirs / max(w, 1):.0f} | "
+                     f"{'-' if one is None or w == 0 else f'{ours / one:.2f}x'} |")
+    lines += ["", f"Cores to feed {GOAL:,} img/s (the best img/s per core of each path above):",
+              "", "| path | RandAugment | img/s per core | cores |", "|---|---|---|---|"]
+    for peer in peers:
+        for ra in (True, False):
+            best = max(med[peer, ra, w] / max(w, 1) for w in args.workers)
+            lines.append(f"| {peer} (Pillow) | {'m9' if ra else 'off'} | {best:.0f} | "
+                         f"{GOAL / best:.0f} |")
+    command = "python bench/loader.py " + " ".join(sys.argv[1:])
+    write_results(RESULTS, "Data pipeline",
+                  f"Training batches of {ROWS} at {RES}², mixup {MIXUP} / CutMix {CUTMIX}, from "
+                  f"{args.images} JPEGs of 500 x 375: twinstep's loader against timm's "
+                  f"create_loader + Mixup.", command, "\n".join(lines),
+                  f"Medians of {args.repeats} interleaved repeats of {args.steps} batches, after "
+                  "the first (its wait, the workers starting, apart). img/s per core: img/s / "
+                  "max(workers, 1). The machine's 1-minute load average over the rounds: "
+                  f"{min(load):.1f}-{max(load):.1f}.")
+
+
+if __name__ == "__main__":
+    main()
