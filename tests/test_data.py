@@ -127,3 +127,42 @@ def test_every_val_image_is_evaluated_once(tree):
     valid = np.concatenate([v for _, _, v, _ in got])
     labels = np.concatenate([y for _, y, _, _ in got])
     assert valid.sum() == n and np.array_equal(labels[valid], src.val_labels)
+
+
+def _item(i):
+    """A loader item of arrays and a plain value (module level: workers import it)."""
+    if i == 3:
+        raise UsageError("item 3 is refused")
+    if i == 5:
+        raise ValueError("item 5 breaks")
+    return np.full((2, 3), i, np.uint8), np.arange(i, dtype=np.float32), i
+
+
+def _shm_blocks() -> set:
+    """The shared memory blocks of this process's loader workers now in /dev/shm."""
+    from twinstep.data import workers
+
+    return {n for n in os.listdir("/dev/shm")
+            if n.startswith(f"{workers.BLOCK_PREFIX}{os.getpid()}_")}
+
+
+def test_loader_workers_deliver_in_order_refuse_as_the_parent_and_leave_nothing():
+    """twinstep.data.workers: items in order, each array through shared memory; a worker's
+    UsageError is the parent's UsageError, any other error one line; nothing is left in
+    /dev/shm after a stream ends, fails or is closed early."""
+    from twinstep.data import workers
+
+    before = _shm_blocks()
+    got = list(workers.stream(_item, 0, 3, 2, 2))
+    assert [int(z) for _, _, z in got] == [0, 1, 2]
+    assert all(np.array_equal(x, np.full((2, 3), i, np.uint8)) and x.dtype == np.uint8
+               and np.array_equal(y, np.arange(i, dtype=np.float32)) for x, y, i in got)
+    with pytest.raises(UsageError, match="item 3 is refused"):
+        list(workers.stream(_item, 2, 6, 2, 2))
+    with pytest.raises(workers.WorkerError, match=r"^loader worker, item 5: ValueError: item 5 "
+                                                  r"breaks$"):
+        list(workers.stream(_item, 4, 7, 1, 2))
+    early = workers.stream(_item, 6, 40, 2, 3)
+    next(early)
+    early.close()  # six items in flight, built and never taken: their blocks are freed
+    assert _shm_blocks() == before

@@ -8,19 +8,20 @@ checkpoint holds.
 Two sources: the embedded digits (`twinstep.data.digits`, already at S x S, not augmented — a
 flipped or cropped digit is another digit) and an image folder (`twinstep.data.folder`): timm's
 train transform with the recipe's RandAugment, its mixup / CutMix over the global batch, and
-timm's eval transform. Batches are built by grain: ``workers`` processes each build whole
-batches (0: one background thread), a few steps ahead of the step that runs.
+timm's eval transform. Batches are built a few steps ahead of the step that runs: by one
+background thread (grain) or by ``workers`` processes (`twinstep.data.workers`), each building
+whole batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import numpy as np
 
 from twinstep.data import batches, digits, folder, mix, transforms
+from twinstep.data import workers as workers_module
 from twinstep.errors import UsageError
 
 PREFETCH = 2  # batches built ahead of the step that runs, per worker
@@ -150,42 +151,17 @@ def val_batch_count(src, rows: int) -> int:
 
 
 def stream(make, start: int, stop: int, workers: int):
-    """A generator of ``make(i)`` for i in [start, stop), built ahead by grain: ``workers``
-    processes, or one background thread when 0; close it to stop them. ``make`` must pickle (a
-    module function or a partial of one)."""
+    """A generator of ``make(i)`` for i in [start, stop), built ahead: by one background thread
+    (grain) when ``workers`` is 0, else by that many processes (`twinstep.data.workers`); close
+    it to stop them. ``make`` must pickle (a module function or a partial of one)."""
+    if workers > 0:
+        yield from workers_module.stream(make, start, stop, workers, PREFETCH)
+        return
     import grain
 
     dataset = grain.MapDataset.range(start, stop).map(make)
-    if workers == 0:
-        return _owned(iter(dataset.to_iter_dataset(grain.ReadOptions(
-            num_threads=1, prefetch_buffer_size=PREFETCH))))
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():  # grain's workers read its absl flags; no absl main here
-        flags.FLAGS.mark_as_parsed()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # os.fork() in a threaded process
-        it = iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=0)).mp_prefetch(
-            grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=PREFETCH)))
-    return _owned(it)
-
-
-def _owned(it):
-    """The items of a worker stream copied out of grain's shared memory, each block freed as
-    soon as it is copied: grain frees them on a thread pool, and one still queued when the
-    interpreter exits is reported as leaked — so the pool is drained when the stream ends."""
-    from grain._src.python.ipc import shared_memory_array  # no public hook for this
-
-    try:
-        for item in it:
-            yield tuple(np.array(a) if isinstance(a, np.ndarray) else a for a in item)
-            del item
-    finally:
-        pool = shared_memory_array.SharedMemoryArray._del_thread_pool
-        if pool is not None:
-            shared_memory_array.SharedMemoryArray._disable_async_del()
-            pool.close()
-            pool.join()
+    yield from dataset.to_iter_dataset(grain.ReadOptions(num_threads=1,
+                                                         prefetch_buffer_size=PREFETCH))
 
 
 def train_stream(src, augment, seed, start, stop, micro, rows, dtype, workers, part=None):

@@ -1,0 +1,147 @@
+"""Loader worker processes: ``make(i)`` for i in [start, stop), built by W processes a few items
+ahead and delivered in order, each array through shared memory.
+
+Why not grain's multiprocess prefetch (which the thread path still uses): on the 2-core machine
+this project is measured on, it delivered at most ~36 items a second whatever the item's size
+or the number of workers, below one thread's rate for whole training batches
+(bench/RESULTS.md#data-pipeline). Here a worker writes each array of an item into a shared
+memory block of its own and sends only the block's name; the parent copies it out and frees it.
+
+Every item is a pure function of its index, so which worker builds it cannot change it. A
+worker stops when it is told to, when its parent is gone, or at the parent's next failure; an
+error in a worker is re-raised in the parent with the worker's message.
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing
+import os
+import queue
+import secrets
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from twinstep.errors import UsageError
+
+BLOCK_PREFIX = "twinstep"  # shared memory blocks are named twinstep<pid>_<stream>_<item>_<part>
+POLL_S = 1.0  # how often a waiting process checks that the other side is still alive
+STOP_S = 10.0  # how long a worker told to stop may take to finish the item it builds
+
+
+class WorkerError(RuntimeError):
+    """A loader worker failed or died; the message is the worker's."""
+
+
+def stream(make, start: int, stop: int, workers: int, ahead: int):
+    """A generator of ``make(i)`` for i in [start, stop), in order, built by ``workers``
+    processes with at most ``ahead`` items in flight per worker; close it to stop them. ``make``
+    must pickle (a module function or a partial of one) and return a tuple."""
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process running XLA's threads
+    tasks, done = ctx.Queue(), ctx.Queue()
+    prefix = f"{BLOCK_PREFIX}{os.getpid()}_{secrets.token_hex(3)}_"  # this stream's blocks
+    procs = [ctx.Process(target=_work, args=(make, tasks, done, os.getpid(), prefix),
+                         daemon=True) for _ in range(workers)]
+    for p in procs:
+        p.start()
+    ready: dict = {}  # index -> the item's parts, arrays still in shared memory
+    sent = start
+    try:
+        for i in range(start, stop):
+            while sent < stop and sent - i < workers * ahead:
+                tasks.put(sent)
+                sent += 1
+            while i not in ready:
+                j, parts = _receive(done, procs)
+                ready[j] = parts
+            yield tuple(_take(part) for part in ready.pop(i))
+    finally:
+        for _ in procs:
+            tasks.put(None)
+        for p in procs:
+            p.join(timeout=STOP_S)
+            if p.is_alive():
+                p.terminate()
+        for parts in ready.values():
+            for part in parts:
+                _take(part)  # frees its block
+        _drain(done)
+        for path in glob.glob(f"/dev/shm/{prefix}*"):  # a worker stopped while writing one
+            os.unlink(path)
+
+
+def _receive(done, procs) -> tuple[int, list]:
+    """The next finished item (index, parts), raising a worker's error or death."""
+    while True:
+        try:
+            j, parts = done.get(timeout=POLL_S)
+        except queue.Empty:
+            dead = [p for p in procs if not p.is_alive()]
+            if dead:
+                raise WorkerError(f"a loader worker died (exit code {dead[0].exitcode})") from None
+            continue
+        if isinstance(parts, str):
+            raise WorkerError(parts)
+        if isinstance(parts, UsageError):
+            raise parts
+        return j, parts
+
+
+def _drain(done) -> None:
+    """Free the blocks of items finished after the parent stopped asking."""
+    while True:
+        try:
+            _, parts = done.get_nowait()
+        except (queue.Empty, OSError, ValueError):
+            return
+        if isinstance(parts, list):
+            for part in parts:
+                _take(part)
+
+
+def _take(part):
+    """A part of an item as the parent receives it: an array copied out of its shared memory
+    block (the block freed), anything else as it came."""
+    if not (isinstance(part, tuple) and part and part[0] == "shm"):
+        return part
+    _, name, shape, dtype = part
+    block = shared_memory.SharedMemory(name=name)
+    try:
+        return np.array(np.ndarray(shape, np.dtype(dtype), block.buf))
+    finally:
+        block.close()
+        block.unlink()
+
+
+def _send(part, name: str):
+    """A part of an item as a worker sends it: an array into a shared memory block ``name`` of
+    its own (by name), anything else as it is."""
+    if not isinstance(part, np.ndarray):
+        return part
+    block = shared_memory.SharedMemory(name=name, create=True, size=max(part.nbytes, 1))
+    try:
+        np.ndarray(part.shape, part.dtype, block.buf)[...] = part
+        return "shm", block.name, part.shape, part.dtype.str
+    finally:
+        block.close()
+
+
+def _work(make, tasks, done, parent: int, prefix: str) -> None:
+    """A worker: build the items it is asked for until told to stop or orphaned."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    while os.getppid() == parent:
+        try:
+            i = tasks.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+        if i is None:
+            return
+        try:
+            done.put((i, [_send(part, f"{prefix}{i}_{k}") for k, part in enumerate(make(i))]))
+        except UsageError as e:  # bad input: the parent refuses it as its own
+            done.put((i, e))
+        except Exception as e:  # noqa: BLE001 - the parent re-raises it, in one line
+            done.put((i, f"loader worker, item {i}: {type(e).__name__}: {e}"))
