@@ -2,12 +2,13 @@
 delivered as mixed training batches, by worker count, with and without RandAugment.
 
   twinstep  `twinstep.data.loader.train_stream` over an image folder: timm's train transform
-            (random-resized crop, flip, RandAugment rand-m9-mstd0.5-inc1), mixup / CutMix over
-            the batch, float32 batches; 0 workers is one background thread
+            (random-resized crop, flip, RandAugment rand-m9-mstd0.5-inc1) as uint8 crops with
+            their labels and the batch's drawn mixup / CutMix — the normalisation and the mix
+            itself run on the devices, beside the step; 0 workers is one background thread
   timm      `timm.data.create_loader` (a torch DataLoader, its worker processes) over the same
             folder with the same transform (train interpolation 'random', no colour jitter —
-            twinstep has none), then `timm.data.Mixup` on each batch as timm's train.py applies
-            it; 0 workers is the calling thread
+            twinstep has none), normalised float32 batches, then `timm.data.Mixup` on each batch
+            as timm's train.py applies it; 0 workers is the calling thread
 
 Both read the same JPEGs (ImageNet-sized, 500 x 375, q90) at 224². img/s per core divides by
 the cores the pipeline keeps busy (its workers, or one); the projection says how many such
@@ -63,7 +64,7 @@ def twinstep_batches(root: str, workers: int, randaugment: bool, steps: int):
 
     src = loader.Folder(root, RES)
     augment = loader.Augment(RANDAUGMENT if randaugment else None, mix.MixParams(MIXUP, CUTMIX))
-    stream = loader.train_stream(src, augment, 0, 0, steps, 1, ROWS, np.float32, workers)
+    stream = loader.train_stream(src, augment, 0, 0, steps, 1, ROWS, workers)
     return stream, stream.close
 
 

@@ -23,7 +23,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
 from common import RESULTS, write_results  # noqa: E402
 
 
@@ -71,10 +70,10 @@ def loop_overhead(args) -> str:
             src = loader.source("digits", args.res)
             state = prog.place(state_dict.initial_state(tc, get_net(recipe.net), prog,
                                                         src.classes))
-            xs, ts, _ = loader.train_batch(src, loader.Augment(), 0, 0, recipe.accum, tc.rows,
-                                           np.float32)
-            xs, ts = jax.device_put((xs, ts), jax.sharding.NamedSharding(
-                dp.mesh(args.replicas), dp.MICRO_BATCH))
+            b = loader.train_batch(src, loader.Augment(), 0, 0, recipe.accum, tc.rows)
+            xs, ts = program.prepare_program(src.classes, tc.precision, args.replicas)(
+                *jax.device_put((b.xs, b.labels), jax.sharding.NamedSharding(
+                    dp.mesh(args.replicas), dp.MICRO_BATCH)), b.mix, b.box)
             key = jax.random.key(0)
             state, m = prog.step(state, xs, ts, key)
             jax.block_until_ready(state)

@@ -99,24 +99,30 @@ def test_a_step_is_a_function_of_seed_and_step_whatever_the_workers(tree):
     rows = 4
 
     def steps(workers, start=0):
-        return list(loader.train_stream(src, augment, 7, start, 4, 2, rows, np.float32, workers))
+        return list(loader.train_stream(src, augment, 7, start, 4, 2, rows, workers))
+
+    def same(a, b):
+        return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
     alone, pooled = steps(0), steps(2)
-    for (xa, ta, _), (xb, tb, _) in zip(alone, pooled, strict=True):
-        assert xa.shape == (2, rows, 16, 16, 3) and ta.shape == (2, rows, 4)
-        assert np.array_equal(xa, xb) and np.array_equal(ta, tb)
-    assert np.array_equal(steps(0, start=2)[0][0], alone[2][0])  # a resumed stream
-    # controls: another step, another seed draw other batches; mixing moved the targets
-    assert not np.array_equal(alone[0][0], alone[1][0])
-    other = loader.train_batch(src, augment, 8, 0, 2, rows, np.float32)
-    assert not np.array_equal(other[0], alone[0][0])
-    assert np.any((alone[0][1] > 0) & (alone[0][1] < 1))
-    # a process loads only its rows (and decodes the rows they are mixed with): each of its rows
-    # is the row of the whole batch, bit for bit
-    whole = loader.train_batch(src, augment, 7, 1, 2, rows, np.float32)
+    for a, b in zip(alone, pooled, strict=True):
+        assert a.xs.shape == (2, rows, 16, 16, 3) and a.xs.dtype == np.uint8
+        assert a.labels.shape == (2, rows) and a.mix.shape == (2, 2) and a.box.shape == (2, 4)
+        assert same(a, b)
+    assert same(steps(0, start=2)[0], alone[2])  # a resumed stream
+    # controls: another step, another seed draw other batches; the recipe's mix was drawn
+    assert not np.array_equal(alone[0].xs, alone[1].xs)
+    other = loader.train_batch(src, augment, 8, 0, 2, rows)
+    assert not np.array_equal(other.xs, alone[0].xs)
+    assert any(m[1] > 0 for b in alone for m in b.mix)
+    # a process loads only its rows (the mix pairs them with other processes' rows on the
+    # devices): each of its rows is the row of the whole batch, bit for bit, the mix the same
+    whole = loader.train_batch(src, augment, 7, 1, 2, rows)
     for part in (slice(0, 2), slice(2, 4), slice(1, 2)):
-        x, t, _ = loader.train_batch(src, augment, 7, 1, 2, rows, np.float32, part)
-        assert np.array_equal(x, whole[0][:, part]) and np.array_equal(t, whole[1][:, part])
+        b = loader.train_batch(src, augment, 7, 1, 2, rows, part)
+        assert np.array_equal(b.xs, whole.xs[:, part]) and np.array_equal(b.labels,
+                                                                          whole.labels[:, part])
+        assert np.array_equal(b.mix, whole.mix) and np.array_equal(b.box, whole.box)
 
 
 def test_every_val_image_is_evaluated_once(tree):

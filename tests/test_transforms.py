@@ -405,3 +405,59 @@ def test_draw_deterministic_and_rates():
     with pytest.raises(ValueError):
         mix.draw(np.random.default_rng(0), mix.MixParams(0.0, 0.0), H, W)
     assert math.isclose(np.mean([lam for lam, _ in only_mixup]), 0.5, abs_tol=0.15)
+
+
+def test_the_devices_normalise_and_mix_as_the_host_does():
+    """`program.prepare_program`, the devices' side of the pipeline, against the host's
+    `normalize` and `mix.apply` (which the tests above hold to torchvision's and timm's bit for
+    bit): every byte normalised bit for bit; CutMix's pixels, every target and an unmixed batch
+    bit for bit; a mixup's pixels within the rounding of one product, which the FMA XLA fuses
+    λ x + (1 - λ) x' into skips; the same over R = 2 replicas, the mix pairing rows of
+    different replicas. Controls: λ off by 0.01, the box a row lower."""
+    import jax
+
+    from twinstep import dp, program
+
+    every = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 3, 1)
+    assert np.array_equal(np.asarray(program.network_input(every, np.float32)),
+                          transforms.NORMALIZED)
+    assert np.array_equal(transforms.NORMALIZED, normalize(every))
+    u8 = np.random.default_rng(4).integers(0, 256, (2, B, H, W, C), dtype=np.uint8)
+    labels = np.stack([LABELS, LABELS[::-1]]).astype(np.int32)
+    one, two = (program.prepare_program(K, "f32", r) for r in (1, 2))
+    sharded = jax.sharding.NamedSharding(dp.mesh(2), dp.MICRO_BATCH)
+
+    def on_devices(lam, box, prepare=one):
+        coeffs = np.array([[np.float32(lam), np.float32(1.0 - lam)]] * 2, np.float32)
+        boxes = np.array([box or (0, 0, 0, 0)] * 2, np.int32)
+        args = (u8, labels, coeffs, boxes)
+        if prepare is two:
+            args = (*jax.device_put(args[:2], sharded), *args[2:])
+        return tuple(np.asarray(a) for a in prepare(*args))
+
+    for lam, box in [(0.3, None), (0.8173, None), (1.0, None), *(
+            mix.cutmix_box(lam, 2, 9, H, W)[::-1] for lam in (0.4, 0.75))]:
+        x, t = on_devices(lam, box)
+        assert x.dtype == t.dtype == np.float32
+        assert all(np.array_equal(a, b) for a, b in zip(on_devices(lam, box, two), (x, t),
+                                                         strict=True))
+        for m in range(2):
+            hx, ht = mix.apply(normalize(u8[m]), labels[m], K, lam, box)
+            assert np.array_equal(t[m], ht), (lam, box)
+            if box is None and lam != 1.0:
+                # the FMA skips the rounding of one product (at most half an ulp of it), and
+                # each side rounds its sum once: the bound, elementwise
+                n = normalize(u8[m])
+                ax, by = n * np.float32(lam), n[::-1] * np.float32(1.0 - lam)
+                bound = np.spacing(np.abs(ax)) + np.spacing(np.abs(by)) + np.spacing(np.abs(hx))
+                assert np.all(np.abs(x[m] - hx) <= bound), lam
+                assert not np.array_equal(x[m], hx)  # the FMA does show
+            else:
+                assert np.array_equal(x[m], hx), (lam, box)
+            off_x, off_t = mix.apply(normalize(u8[m]), labels[m], K, lam + 0.01, box)
+            assert np.abs(off_t - t[m]).max() > 1e-3
+            assert box is not None or np.abs(off_x - x[m]).max() > 1e-3
+    y0, y1, x0, x1 = mix.cutmix_box(0.4, 2, 9, H, W)[0]
+    lower, _ = on_devices(0.4, (y0 + 1, y1 + 1, x0, x1))
+    assert not np.array_equal(lower[0], mix.apply(normalize(u8[0]), labels[0], K, 0.4,
+                                                  (y0, y1, x0, x1))[0])

@@ -7,6 +7,8 @@ here are a step's mesh and ``shard_map`` specs chosen.
                  step(state, xs [k, R N, S, S, 3], ts [k, R N, K], key) -> (state, metrics)
                  a recipe's whole step (`step.train_step`)
   eval_program   (params, buffers, x [N, S, S, 3]) -> logits [N, K], eval-mode BN, one device
+  prepare_program  the host's batch (`twinstep.data.loader.Batch`: uint8 crops, labels, the
+                 drawn mix) -> the step's xs, ts: normalised, mixed over the global batch
 
 A render read back is a step too, callable like train_program's: `twinstep.rendering.reader`.
 
@@ -21,11 +23,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
 from twinstep import dp, optim, step
 from twinstep.collectives import SINGLE
+from twinstep.data import transforms
 from twinstep.nets import Net, layers
 from twinstep.ops.precision import Precision, get_precision
 from twinstep.processes import cluster
@@ -70,10 +74,55 @@ def grad_program(net: Net, replicas: int = 1, loss: str = "ce",
 
 def eval_program(net: Net, precision: str | Precision = "f32", fast_compile: bool = False,
                  depthwise_path: str | None = None, dense_path: str | None = None):
-    """Eval-mode logits (params, buffers, x [N, S, S, 3]) -> [N, K] on one device."""
-    ctx = layers.Ctx(SINGLE, get_precision(precision), train=False,
-                     depthwise_path=depthwise_path, dense_path=dense_path)
-    return dp.jit(lambda p, b, x: net.forward(p, b, x, ctx)[0], fast_compile)
+    """Eval-mode logits (params, buffers, x [N, S, S, 3]) -> [N, K] on one device; a uint8 x is
+    normalised first (`network_input`)."""
+    prec = get_precision(precision)
+    ctx = layers.Ctx(SINGLE, prec, train=False, depthwise_path=depthwise_path,
+                     dense_path=dense_path)
+    return dp.jit(lambda p, b, x: net.forward(p, b, network_input(x, prec.dtype), ctx)[0],
+                  fast_compile)
+
+
+def network_input(x, dtype):
+    """x [..., 3] as the network takes it, in ``dtype``: uint8 pixels normalised as
+    torchvision's ToTensor + Normalize do, bit for bit — by a 256-entry table per channel built
+    on the host, since XLA turns a division by a constant into a multiplication by its
+    reciprocal —, anything else (the digits, normalised already) only cast."""
+    if x.dtype == jnp.uint8:
+        x = jnp.asarray(transforms.NORMALIZED)[x.astype(jnp.int32), jnp.arange(3)]
+    return x.astype(dtype)
+
+
+def prepare_program(classes: int, precision: str | Precision, replicas: int = 1,
+                    fast_compile: bool = False):
+    """The step's inputs from the host's batch, on the devices: (xs [k, R N, S, S, 3] uint8 or
+    float32, labels [k, R N], mix [k, 2], box [k, 4]) -> (xs, ts [k, R N, K]) in the
+    precision's dtype, xs and labels sharded by rows. Each micro-batch is mixed over its global
+    rows as `twinstep.data.mix.apply` mixes it: row i with row R N - 1 - i, the CutMix box
+    pasted when it is not empty, else λ x + (1 - λ) x' — where XLA fuses the two products into
+    one FMA, one rounding fewer than timm's float32 tensors (docs/training.md#augmentation) —;
+    the targets λ onehot(y) + (1 - λ) onehot(y') likewise."""
+    dtype = get_precision(precision).dtype
+
+    def prepare(xs, labels, mix, box):
+        x = network_input(xs, jnp.float32)
+        partner = x[:, ::-1]
+        a, b = (mix[:, j, None, None, None, None] for j in (0, 1))
+        y = jnp.arange(x.shape[2])[None, :, None]
+        c = jnp.arange(x.shape[3])[None, None, :]
+        inside = ((box[:, 0, None, None] <= y) & (y < box[:, 1, None, None])
+                  & (box[:, 2, None, None] <= c) & (c < box[:, 3, None, None]))
+        cut = jnp.any(inside, axis=(1, 2))[:, None, None, None, None]
+        blended = jnp.where(b == 0, x, x * a + partner * b)
+        x = jnp.where(cut, jnp.where(inside[:, None, :, :, None], partner, x), blended)
+        onehot = jax.nn.one_hot(labels, classes, dtype=jnp.float32)
+        ts = onehot * mix[:, None, 0:1] + onehot[:, ::-1] * mix[:, None, 1:2]
+        return x.astype(dtype), ts.astype(dtype)
+
+    if replicas == 1:
+        return dp.jit(prepare, fast_compile)
+    r, s = dp.REPLICATED, dp.MICRO_BATCH
+    return dp.laid_out_jit(prepare, dp.mesh(replicas), (s, s, r, r), (s, s), fast_compile)
 
 
 class TrainProgram(NamedTuple):

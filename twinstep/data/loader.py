@@ -5,6 +5,12 @@ run draws exactly the batches the uninterrupted one would have, and the number o
 cannot change them. The data iterator's whole state is therefore the step, which every
 checkpoint holds.
 
+The host delivers what the devices cannot make: an image folder's rows as uint8 crops, their
+labels, and each micro-batch's drawn mix (`Batch`). Normalisation, the mix over the global batch
+and the targets are computed on the devices, beside the step (`twinstep.program
+.prepare_program`): a quarter of the bytes cross to the devices, and a process decodes only its
+own rows.
+
 Two sources: the embedded digits (`twinstep.data.digits`, already at S x S, not augmented — a
 flipped or cropped digit is another digit) and an image folder (`twinstep.data.folder`): timm's
 train transform with the recipe's RandAugment, its mixup / CutMix over the global batch, and
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,8 +44,18 @@ class Augment:
     mix: mix.MixParams | None = None
 
 
+class Batch(NamedTuple):
+    """One step's rows as the host delivers them (`train_batch`)."""
+
+    xs: np.ndarray  # [k, rows, S, S, 3]: uint8 crops of an image folder, float32 digits
+    labels: np.ndarray  # [k, rows] int32
+    mix: np.ndarray  # [k, 2] float32: (λ, 1 - λ) of each micro-batch's mix, (1, 0) unmixed
+    box: np.ndarray  # [k, 4] int32: its CutMix box (y_lo, y_hi, x_lo, x_hi), empty for a blend
+    skipped: int  # images that did not decode, replaced by the next of their split
+
+
 class Digits:
-    """The embedded digits at S x S (normalised already; no augmentation)."""
+    """The embedded digits at S x S (normalised already, float32; no augmentation)."""
 
     def __init__(self, res: int):
         self.res = res
@@ -78,6 +95,7 @@ class Folder:
         raise UsageError(f"no image of {len(split)} in this split decodes")
 
     def train_rows(self, idx, seed, step, row_ids, augment):
+        """(uint8 crops [len(idx), S, S, 3], labels, images skipped per row)."""
         rows, labels, skipped = [], [], []
         for i, row in zip(idx, row_ids, strict=True):
             img, used, tried = self._decoded(self.train, int(i))
@@ -85,16 +103,16 @@ class Folder:
             rows.append(transforms.train_transform(img, self.res, rng, augment.randaugment))
             labels.append(self.train.labels[used])
             skipped.append(tried)
-        return (transforms.normalize(np.stack(rows)), np.asarray(labels, np.int32),
-                np.asarray(skipped, np.int64))
+        return np.stack(rows), np.asarray(labels, np.int32), np.asarray(skipped, np.int64)
 
     def val_rows(self, idx):
+        """(uint8 [len(idx), S, S, 3], images skipped)."""
         rows, skipped = [], 0
         for i in idx:
             img, _, tried = self._decoded(self.val, int(i))
             rows.append(transforms.eval_transform(img, self.res, CROP_PCT))
             skipped += tried
-        return transforms.normalize(np.stack(rows)), skipped
+        return np.stack(rows), skipped
 
 
 def train_size(data: str) -> int:
@@ -110,30 +128,28 @@ def source(data: str, res: int):
 
 
 def train_batch(src, augment: Augment, seed: int, step: int, micro: int, rows: int,
-                dtype, part: slice | None = None) -> tuple[np.ndarray, np.ndarray, int]:
-    """(xs [k, R N, S, S, 3], ts [k, R N, K], images skipped) of step ``step``: k micro-batches
-    of R N rows, each mixed over its R N rows when the recipe mixes. ``part``: only these rows
-    of each micro-batch (a process's own, `twinstep.processes.cluster.local_rows`), each equal to
-    its row of the whole batch; a mix also decodes the rows they are mixed with."""
+                part: slice | None = None) -> Batch:
+    """Step ``step``'s k micro-batches of R N rows as the host delivers them (`Batch`), each
+    micro-batch's mix drawn for all its R N rows (row i mixed with row R N - 1 - i, on the
+    devices). ``part``: only these rows (a process's own, `twinstep.processes.cluster
+    .local_rows`), each equal to its row of the whole batch."""
     idx = batches.indices(seed, step, micro * rows, len(src.train_labels)).reshape(micro, rows)
     own = np.arange(rows)[part if part is not None else slice(None)]
-    need = own if augment.mix is None else np.union1d(own, rows - 1 - own)
-    xs, ts, skipped = [], [], 0
+    xs, labels, mixes, boxes, skipped = [], [], [], [], 0
     for m in range(micro):
-        x, labels, sk = src.train_rows(idx[m][need], seed, step, m * rows + need, augment)
-        at = np.searchsorted(need, own)  # own rows' places among the decoded
+        x, y, sk = src.train_rows(idx[m][own], seed, step, m * rows + own, augment)
+        lam, box = 1.0, None
         if augment.mix is not None:
             lam, box = mix.draw(np.random.default_rng([seed, step, 1, m]), augment.mix,
                                 x.shape[1], x.shape[2])
-            mate = np.searchsorted(need, rows - 1 - own)
-            x, t = mix.apply_pairs(x[at], x[mate], labels[at], labels[mate], src.classes, lam,
-                                   box)
-        else:
-            x, t = x[at], batches.one_hot(labels[at], src.classes, np.float32)
         xs.append(x)
-        ts.append(t)
-        skipped += int(sk[at].sum())
-    return np.stack(xs).astype(dtype), np.stack(ts).astype(dtype), skipped
+        labels.append(y)
+        # (λ, 1 - λ) rounded as timm's float32 tensors are scaled by a Python float
+        mixes.append((np.float32(lam), np.float32(1.0 - lam)))
+        boxes.append(box or (0, 0, 0, 0))
+        skipped += int(sk.sum())
+    return Batch(np.stack(xs), np.stack(labels), np.asarray(mixes, np.float32),
+                 np.asarray(boxes, np.int32), skipped)
 
 
 def val_batch(src, rows: int, b: int,
@@ -164,14 +180,14 @@ def stream(make, start: int, stop: int, workers: int):
                                                          prefetch_buffer_size=PREFETCH))
 
 
-def train_stream(src, augment, seed, start, stop, micro, rows, dtype, workers, part=None):
+def train_stream(src, augment, seed, start, stop, micro, rows, workers, part=None):
     """train_batch for the steps [start, stop), in order."""
-    return stream(functools.partial(_train_item, src, augment, seed, micro, rows, dtype, part),
+    return stream(functools.partial(_train_item, src, augment, seed, micro, rows, part),
                   start, stop, workers)
 
 
-def _train_item(src, augment, seed, micro, rows, dtype, part, step):
-    return train_batch(src, augment, seed, step, micro, rows, dtype, part)
+def _train_item(src, augment, seed, micro, rows, part, step):
+    return train_batch(src, augment, seed, step, micro, rows, part)
 
 
 def val_stream(src, rows: int, workers: int, part: slice | None = None):

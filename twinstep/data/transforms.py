@@ -134,3 +134,8 @@ def normalize(x: np.ndarray) -> np.ndarray:
     torchvision's order (ToTensor's true division by 255, then Normalize's sub and div) — a
     multiply by 1/255 instead would differ by up to ~7e-7."""
     return (x.astype(np.float32) / np.float32(255) - MEAN) / STD
+
+
+# [256, 3]: `normalize` of every byte in every channel — what the devices look pixels up in
+# (twinstep.program.network_input)
+NORMALIZED = normalize(np.repeat(np.arange(256, dtype=np.uint8)[:, None], 3, axis=1))

@@ -11,7 +11,6 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from twinstep import dp
 from twinstep.data import loader
-from twinstep.ops.precision import get_precision
 from twinstep.processes import cluster
 
 
@@ -31,7 +30,6 @@ def evaluate(src, cfg, state, eval_fn) -> dict:
     last batch padded and masked so every image counts once (an image that does not decode is
     replaced by the next, `twinstep.data.loader`). A process reads and scores its own replicas'
     rows; the sums are totalled over processes."""
-    dtype = get_precision(cfg.precision).dtype
     sums = {name: np.zeros(3) for name in ("raw", "ema")
             if name == "raw" or state.ema is not None}
     weights = {"raw": (state.params, state.buffers), "ema": state.ema}
@@ -40,7 +38,7 @@ def evaluate(src, cfg, state, eval_fn) -> dict:
               for n in sums}  # with several processes the state is on the replicas already
     part = cluster.local_rows(cfg.rows)
     for x, y, valid, _ in loader.val_stream(src, cfg.rows, cfg.workers, part):
-        x = cluster.global_array(np.asarray(x, dtype), by_rows, (cfg.rows, *x.shape[1:]))
+        x = cluster.global_array(x, by_rows, (cfg.rows, *x.shape[1:]))  # normalised there
         for name, (params, buffers) in placed.items():
             logits = cluster.local_rows_of(cluster.run_together(eval_fn, params, buffers, x),
                                            part).astype(np.float64)

@@ -21,7 +21,6 @@ from twinstep import dp, program, recipes
 from twinstep.data import loader
 from twinstep.errors import UsageError
 from twinstep.nets import get_net
-from twinstep.ops.precision import get_precision
 from twinstep.processes import cluster, disk
 from twinstep.training import evaluation, state_dict
 from twinstep.training.checkpoint import Checkpoints
@@ -53,6 +52,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     prog = program.train_program(net, recipe, src.classes, cfg.replicas, cfg.precision,
                                  fast_compile=cfg.fast_compile)
     eval_fn = program.eval_program(net, cfg.precision, cfg.fast_compile)
+    prepare = program.prepare_program(src.classes, cfg.precision, cfg.replicas, cfg.fast_compile)
 
     # --- restore: the latest checkpoint, else step 0 (timm's initialisation or --init-from)
     checkpoints = Checkpoints(cfg.out, cfg.keep)
@@ -64,28 +64,27 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     state = prog.place(state)
     start = int(cluster.local_value(state.step))
 
-    # --- the loop: step, log, evaluate, checkpoint. The host never waits for the device
-    # between boundaries (the first step, which compiles; a log, eval or checkpoint step; the
-    # last): the next batch goes to the devices while a step runs, and a step's metrics are
-    # read back at the next boundary, which stops at the first non-finite loss before anything
-    # is written — so a checkpoint never holds a state past a bad step.
+    # --- the loop: step, log, evaluate, checkpoint. The host waits for the devices only at a
+    # boundary (the first step, which compiles; a log, eval or checkpoint step; the last): the
+    # next batch goes to them while a step runs, and the metrics are read back at the next
+    # boundary, which stops at the first non-finite loss before anything of it is written.
     per_step = cfg.rows * recipe.accum  # images per optimizer step
     stream = loader.train_stream(src, _augment(src, recipe), cfg.seed, start, cfg.steps,
-                                 recipe.accum, cfg.rows, get_precision(cfg.precision).dtype,
-                                 cfg.workers, cluster.local_rows(cfg.rows))
+                                 recipe.accum, cfg.rows, cfg.workers, cluster.local_rows(cfg.rows))
     say = progress if progress and cluster.is_primary() else (lambda step, metrics: None)
     warn = warn or (lambda text: None)
     last_eval, skipped, pending, t0 = {}, 0, [], time.perf_counter()
     record = {"step": start, "epoch": 0.0, "loss": math.nan, "lr": math.nan, "skipped": 0,
               "img_per_s": 0.0}
     with _run_log(cfg.out, start) as log, checkpoints, contextlib.closing(stream):
-        for s, (xs, ts, sk) in zip(range(start, cfg.steps), _ahead(stream, cfg), strict=True):
+        for s, (batch, sk) in zip(range(start, cfg.steps), _ahead(stream, cfg), strict=True):
             done = s + 1
             if sk and not skipped:
                 warn(f"step {done}: an image that does not decode was replaced by the next "
                      f"one of its split (counted as 'skipped' in metrics.jsonl)")
             skipped += sk
             key = jax.random.fold_in(jax.random.key(cfg.seed), s)
+            xs, ts = cluster.run_together(prepare, *batch)
             state, m = cluster.run_together(prog.step, state, xs, ts, key)
             pending.append((done, m))
             record |= {"step": done, "epoch": done * per_step / len(src.train_labels)}
@@ -117,10 +116,10 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
 
 
 def _ahead(stream, cfg: TrainConfig):
-    """The stream's batches (xs, ts, images skipped), each on the replicas one step before it
-    runs: batch s + 1 is put while step s runs. With several processes each puts its own rows
-    into the global batch."""
-    rows = _batch_sharding(cfg)
+    """The stream's batches (`twinstep.data.loader.Batch`) as ((xs, labels, mix, box) on the
+    replicas, images skipped), each put one step before it runs: batch s + 1 while step s
+    runs. With several processes each puts its own rows into the global batch."""
+    rows, everywhere = _batch_sharding(cfg)
 
     def place(a):
         if cluster.count() > 1:
@@ -128,8 +127,8 @@ def _ahead(stream, cfg: TrainConfig):
         return jax.device_put(a, rows)
 
     placed = None
-    for xs, ts, skipped in stream:
-        ahead = place(xs), place(ts), skipped
+    for xs, labels, mix, box, skipped in stream:  # a Batch (a plain tuple from the workers)
+        ahead = (place(xs), place(labels), *cluster.placed((mix, box), everywhere)), skipped
         if placed is not None:
             yield placed
         placed = ahead
@@ -164,10 +163,14 @@ def _run_log(run_dir: str, start: int):
 
 
 def _batch_sharding(cfg: TrainConfig):
-    """Where a step's xs and ts go: their R N rows (axis 1) over the replicas."""
+    """(where a step's rows go — their R N rows, axis 1, over the replicas —, where what every
+    replica reads goes)."""
     if cfg.replicas == 1:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.sharding.NamedSharding(dp.mesh(cfg.replicas), dp.MICRO_BATCH)
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return one, one
+    mesh = dp.mesh(cfg.replicas)
+    return (jax.sharding.NamedSharding(mesh, dp.MICRO_BATCH),
+            jax.sharding.NamedSharding(mesh, dp.REPLICATED))
 
 
 def _render_program(cfg: TrainConfig, prog, classes: int):
