@@ -5,6 +5,8 @@ delivered as mixed training batches, by worker count, with and without RandAugme
             (random-resized crop, flip, RandAugment rand-m9-mstd0.5-inc1) as uint8 crops with
             their labels and the batch's drawn mixup / CutMix — the normalisation and the mix
             itself run on the devices, beside the step; 0 workers is one background thread
+  packed    the same from the folder's packed copy (`twinstep pack`: short side <= 320, q90,
+            ArrayRecord shards)
   timm      `timm.data.create_loader` (a torch DataLoader, its worker processes) over the same
             folder with the same transform (train interpolation 'random', no colour jitter —
             twinstep has none), normalised float32 batches, then `timm.data.Mixup` on each batch
@@ -59,10 +61,11 @@ def write_folder(root: str, images: int) -> None:
 
 
 def twinstep_batches(root: str, workers: int, randaugment: bool, steps: int):
-    """A generator of twinstep's training batches (and the callable that stops it)."""
+    """A generator of twinstep's training batches (and the callable that stops it), from the
+    image folder or, given its packed copy, from that."""
     from twinstep.data import loader, mix
 
-    src = loader.Folder(root, RES)
+    src = loader.source(root, RES)
     augment = loader.Augment(RANDAUGMENT if randaugment else None, mix.MixParams(MIXUP, CUTMIX))
     stream = loader.train_stream(src, augment, 0, 0, steps, 1, ROWS, workers)
     return stream, stream.close
@@ -95,6 +98,27 @@ def timm_batches(root: str, workers: int, randaugment: bool, steps: int):
     return batches(), lambda: None
 
 
+def packed_report(root: str, packed_root: str) -> str:
+    """Bytes on disk of the folder and its packed copy, and the re-encode's PSNR on eval crops
+    (RES², the val split) against the originals'."""
+    from twinstep.data import folder, packed, transforms
+
+    def size(where):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(where)
+                   for f in fs)
+
+    original, copy = folder.scan(root, "val"), packed.open_splits(packed_root)[1]
+    psnr = []
+    for i in range(len(original)):
+        a, b = (transforms.eval_transform(s.image(i), RES).astype(np.float64)
+                for s in (original, copy))
+        psnr.append(10 * np.log10(255.0 ** 2 / np.mean((a - b) ** 2)))
+    return (f"Bytes on disk: the folder {size(root) / 2**20:.1f} MiB, packed "
+            f"{size(packed_root) / 2**20:.1f} MiB (short side <= {packed.MAX_SIDE}, q"
+            f"{packed.QUALITY}). Eval crops at {RES}² of the packed images against the "
+            f"originals': PSNR median {statistics.median(psnr):.1f} dB, least {min(psnr):.1f}.")
+
+
 def rate(make, root: str, workers: int, randaugment: bool, steps: int) -> tuple[float, float]:
     """(img/s after the first batch, the first batch's wait in s)."""
     batches, close = make(root, workers, randaugment, steps)
@@ -116,30 +140,38 @@ def main() -> None:
     if args.images < ROWS:
         p.error(f"--images must be >= {ROWS}, a batch (timm's training loader drops a partial "
                 f"batch)")
-    peers = {"twinstep": twinstep_batches, "timm": timm_batches}
+    peers = {"twinstep": twinstep_batches, "twinstep packed": twinstep_batches,
+             "timm": timm_batches}
     cases = [(ra, w) for ra in (True, False) for w in args.workers]
     rates: dict = {(peer, ra, w): [] for peer in peers for ra, w in cases}
     starts: dict = {key: [] for key in rates}
     load = []
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory() as tmp:
+        root, packed_root = os.path.join(tmp, "folder"), os.path.join(tmp, "packed")
         write_folder(root, args.images)
+        from twinstep import api
+
+        api.pack(root, packed_root)
+        disk = packed_report(root, packed_root)
         for i in range(args.repeats):  # interleaved; every other round in reverse order
             for ra, w in cases if i % 2 == 0 else cases[::-1]:
                 for peer in peers if i % 2 == 0 else list(peers)[::-1]:
-                    r, s = rate(peers[peer], root, w, ra, args.steps)
+                    where = packed_root if peer == "twinstep packed" else root
+                    r, s = rate(peers[peer], where, w, ra, args.steps)
                     rates[peer, ra, w].append(r)
                     starts[peer, ra, w].append(s)
             load.append(machine_load())
     med = {key: statistics.median(v) for key, v in rates.items()}
-    lines = ["| RandAugment | workers | twinstep img/s | timm img/s | twinstep / timm | "
-             "twinstep img/s per core | timm img/s per core | twinstep vs its 1 worker |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| RandAugment | workers | twinstep img/s | packed img/s | timm img/s | "
+             "twinstep / timm | packed / twinstep | twinstep img/s per core | packed img/s per "
+             "core | timm img/s per core | twinstep vs its 1 worker |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for ra, w in cases:
-        ours, theirs = med["twinstep", ra, w], med["timm", ra, w]
+        ours, pk, theirs = (med[p, ra, w] for p in peers)
         one = med.get(("twinstep", ra, 1))
-        lines.append(f"| {'m9' if ra else 'off'} | {w} | {ours:.0f} | {theirs:.0f} | "
-                     f"**{ours / theirs:.2f}** | {ours / max(w, 1):.0f} | "
-                     f"{theirs / max(w, 1):.0f} | "
+        lines.append(f"| {'m9' if ra else 'off'} | {w} | {ours:.0f} | {pk:.0f} | {theirs:.0f} | "
+                     f"**{ours / theirs:.2f}** | **{pk / ours:.2f}** | {ours / max(w, 1):.0f} | "
+                     f"{pk / max(w, 1):.0f} | {theirs / max(w, 1):.0f} | "
                      f"{'-' if one is None or w == 0 else f'{ours / one:.2f}x'} |")
     lines += ["", f"Cores to feed {GOAL:,} img/s (the best img/s per core of each path above):",
               "", "| path | RandAugment | img/s per core | cores |", "|---|---|---|---|"]
@@ -148,6 +180,7 @@ def main() -> None:
             best = max(med[peer, ra, w] / max(w, 1) for w in args.workers)
             lines.append(f"| {peer} (Pillow) | {'m9' if ra else 'off'} | {best:.0f} | "
                          f"{GOAL / best:.0f} |")
+    lines += ["", disk]
     command = "python bench/loader.py " + " ".join(sys.argv[1:])
     write_results(RESULTS, "Data pipeline",
                   f"Training batches of {ROWS} at {RES}², mixup {MIXUP} / CutMix {CUTMIX}, from "

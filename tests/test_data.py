@@ -172,3 +172,60 @@ def test_loader_workers_deliver_in_order_refuse_as_the_parent_and_leave_nothing(
     next(early)
     early.close()  # six items in flight, built and never taken: their blocks are freed
     assert _shm_blocks() == before
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
+
+
+def test_a_packed_folder_trains_as_its_folder_does(tmp_path, capsys):
+    """`twinstep pack`: an undecodable image is reported and left out, the rest keep their
+    order and classes; a packed split's batches are a function of (seed, step) whatever the
+    workers; an image read back is its original within the re-encode (eval crops' PSNR over
+    30 dB at q90, and a q10 pack is the control that falls below it); a packed folder cut short
+    is refused, as is packing into a folder that holds something."""
+    from twinstep import api, cli
+    from twinstep.data import packed
+
+    tree = write_folder(str(tmp_path / "tree"))
+    original = folder.scan(tree, "train")
+    with open(original.paths[1], "wb") as f:
+        f.write(b"\xff\xd8 truncated")
+    out = str(tmp_path / "packed")
+    assert cli.main(["pack", tree, "--out", out, "--max-side", "24"]) == 0
+    said = capsys.readouterr()
+    assert said.err.count("does not decode: left out") == 1 and original.paths[1] in said.err
+    assert "1 left out" in said.out
+    train, val = packed.open_splits(out, verify=True)
+    kept = [i for i in range(len(original)) if i != 1]
+    assert np.array_equal(train.labels, original.labels[kept]) and len(val) == 12
+    assert min(train.image(0).size) == 24  # 30 x 26 brought down to a short side of 24
+    src = loader.source(out, 16)
+    assert isinstance(src, loader.Packed) and loader.train_size(out) == 11
+    augment = loader.Augment(randaugment=9, mix=mix.MixParams(0.2, 1.0))
+    alone = list(loader.train_stream(src, augment, 7, 0, 3, 2, 4, 0))
+    pooled = list(loader.train_stream(src, augment, 7, 0, 3, 2, 4, 2))
+    assert all(np.array_equal(a, b) for x, y in zip(alone, pooled, strict=True)
+               for a, b in zip(x, y, strict=True))
+    # the re-encode: eval crops of the packed images against the originals' (no resize here)
+    fine = str(tmp_path / "fine")
+    coarse = str(tmp_path / "coarse")
+    api.pack(tree, fine, max_side=64)
+    api.pack(tree, coarse, max_side=64, quality=10)
+    vals = folder.scan(tree, "val")
+    for where, floor in ((fine, 30.0), (coarse, None)):
+        split = packed.open_splits(where)[1]
+        psnr = [_psnr(loader.transforms.eval_transform(split.image(i), 16),
+                      loader.transforms.eval_transform(vals.image(i), 16))
+                for i in range(len(vals))]
+        if floor is not None:
+            assert min(psnr) > floor, psnr
+        else:
+            assert min(psnr) < 30.0, psnr  # control: a coarse re-encode is seen
+    # refusals, one line each: a non-empty --out; a packed folder missing a shard
+    assert cli.main(["pack", tree, "--out", out]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+    os.remove(os.path.join(out, "val-00000.array_record"))
+    with pytest.raises(UsageError, match="shards cannot be read|images"):
+        loader.source(out, 16)

@@ -13,7 +13,7 @@ from twinstep.errors import UsageError
 
 __version__ = "0.1.0"
 API = ("tie", "tie_steps", "tie_render", "render", "load_render", "recipe", "get_net",
-       "devices", "train", "join", "tie_artifact", "load_artifact")
+       "devices", "train", "pack", "join", "tie_artifact", "load_artifact")
 __all__ = ["UsageError", "__version__", *API]
 
 

@@ -206,6 +206,20 @@ def train(recipe: str, out: str, progress=None, warn=None, **config) -> dict:
         return loop.run(cfg, progress, warn)
 
 
+def pack(folder: str, out: str, max_side: int | None = None, quality: int | None = None,
+         progress=None) -> dict:
+    """Pack the image folder ``folder`` into the new folder ``out`` for training (`twinstep.data
+    .packed`: images re-encoded with their short side at most ``max_side``, default 320, as
+    ArrayRecord shards); returns its manifest. ``progress(split, done, total)`` is told of
+    every image."""
+    from twinstep.data import packed
+    from twinstep.processes import disk
+
+    disk.check_writable_folder(out, "--out")
+    return packed.pack(folder, out, max_side or packed.MAX_SIDE, quality or packed.QUALITY,
+                       progress=progress)
+
+
 def render(name: str, replicas: int = 1, out: str | None = None, **config):
     """Export recipe ``name``'s whole train step for an R-device mesh (no R devices needed).
     ``config``: the fields of `twinstep.rendering.render.RenderConfig` (res, classes, precision,

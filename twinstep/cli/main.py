@@ -28,6 +28,7 @@ COMMANDS = {  # each command's line in 'twinstep --help'; its module is twinstep
     "tie": "the R-replica sync-BN step against the single-device step at R*N",
     "render": "export a recipe's whole train step to StableHLO (jax.export)",
     "train": "train a recipe with its tied step: data, checkpoints, evaluation, logs",
+    "pack": "pack an image folder for training: re-encoded images in ArrayRecord shards",
     "weights": "a training run's weights as a timm state dict (.safetensors or .pth)",
     "plot": "a training run's curves as a PNG (loss, lr, val top-1)",
     "launch": "run train or tie as P processes on this host, joined into one runtime",

@@ -38,6 +38,10 @@ class Split:
     def __len__(self) -> int:
         return len(self.paths)
 
+    def image(self, i: int) -> Image.Image | None:
+        """Image i in RGB, or None when it does not decode (`load`)."""
+        return load(self.paths[i])
+
 
 def _images_under(folder: str) -> list[str]:
     found = []

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from twinstep.data import batches, digits, folder, mix, transforms
+from twinstep.data import batches, digits, folder, mix, packed, transforms
 from twinstep.data import workers as workers_module
 from twinstep.errors import UsageError
 
@@ -79,17 +79,20 @@ class Folder:
     that does not decode is replaced by the next one of its split (counted, never fatal)."""
 
     def __init__(self, root: str, res: int):
+        self._open(folder.scan_both(root), res)
+
+    def _open(self, splits, res: int) -> None:
         self.res = res
-        self.train, self.val = folder.scan_both(root)
+        self.train, self.val = splits
         self.classes = len(self.train.classes)
         self.train_labels, self.val_labels = self.train.labels, self.val.labels
 
     @staticmethod
-    def _decoded(split: folder.Split, i: int):
+    def _decoded(split, i: int):
         """(image, index used, skipped): the first image from i on that decodes."""
         for tried in range(len(split)):
             j = (i + tried) % len(split)
-            img = folder.load(split.paths[j])
+            img = split.image(j)
             if img is not None:
                 return img, j, tried
         raise UsageError(f"no image of {len(split)} in this split decodes")
@@ -115,16 +118,28 @@ class Folder:
         return np.stack(rows), skipped
 
 
+class Packed(Folder):
+    """A packed image folder (`twinstep.data.packed`, ``twinstep pack``): its images, read from
+    ArrayRecord shards, through the same transforms; every image decodes (checked when packed)."""
+
+    def __init__(self, root: str, res: int):
+        self._open(packed.open_splits(root), res)
+
+
 def train_size(data: str) -> int:
     """How many training images ``data`` holds (a folder is scanned)."""
     if data == "digits":
         return len(digits.labels("train"))
+    if packed.is_packed(data):
+        return len(packed.open_splits(data)[0])
     return len(folder.scan(data, "train"))
 
 
 def source(data: str, res: int):
-    """``digits`` or an image folder's root."""
-    return Digits(res) if data == "digits" else Folder(data, res)
+    """``digits``, a packed folder (``twinstep pack``) or an image folder's root."""
+    if data == "digits":
+        return Digits(res)
+    return Packed(data, res) if packed.is_packed(data) else Folder(data, res)
 
 
 def train_batch(src, augment: Augment, seed: int, step: int, micro: int, rows: int,
