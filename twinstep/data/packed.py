@@ -65,6 +65,9 @@ def pack(root: str, out: str, max_side: int = MAX_SIDE, quality: int = QUALITY,
         raise UsageError(f"--quality must be in [1, 95], got {quality}")
     if max_side < 1 or shard_records < 1:
         raise UsageError("--max-side and the records per shard must be >= 1")
+    if not os.path.isdir(root):
+        raise UsageError(f"{root}: no such directory (an image folder: DIR/train/<class>/..., "
+                         f"DIR/val/<class>/...)")
     splits = folder.scan_both(root)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"--out {out}: exists and is not an empty folder")
