@@ -25,6 +25,7 @@ STD = np.array([0.229, 0.224, 0.225], np.float32)  # timm's IMAGENET_DEFAULT_STD
 SCALE = (0.08, 1.0)  # the RRC's range of crop area / image area
 RATIO = (3 / 4, 4 / 3)  # the RRC's range of crop width / height
 HFLIP = 0.5
+CROP_PCT = 0.95  # the eval crop's share of the resized short side: timm's, for both nets
 # the eval resize: timm's eval default (create_transform's 'bilinear')
 INTERPOLATION = Image.Resampling.BILINEAR
 # the training crop: timm's train.py default --train-interpolation 'random', one of these per
@@ -33,21 +34,27 @@ TRAIN_INTERPOLATIONS = (Image.Resampling.BILINEAR, Image.Resampling.BICUBIC)
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
-    """Any mode (L, P, RGBA, CMYK, I;16, ...) -> RGB, as torchvision's default loader does."""
-    return img.convert("RGB")
+    """Any mode (L, P, RGBA, CMYK, I;16, ...) -> RGB, as torchvision's default loader does
+    (an RGB image is returned as is: convert() would copy it)."""
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def short_side_size(w: int, h: int, short: int) -> tuple[int, int]:
+    """torchvision's Resize(int) of a w x h image: (w, h) with the short side at `short`, the
+    long side int(short * long / short_in) (truncated)."""
+    return (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
+
+
+def center_offsets(w: int, h: int, size: int) -> tuple[int, int]:
+    """torchvision's CenterCrop(size) of a w x h image at least size x size: (top, left),
+    rounded by Python's round() — (h - size) / 2 = k + 0.5 goes to the even neighbour."""
+    return int(round((h - size) / 2.0)), int(round((w - size) / 2.0))
 
 
 def _resize_short(img: Image.Image, short: int) -> Image.Image:
-    """torchvision's Resize(int) of a PIL image: the short side becomes `short`, the long side
-    int(short * long / short_in) (truncated); an image already that size is returned as is."""
-    w, h = img.size
-    if w <= h:
-        new_w, new_h = short, int(short * h / w)
-    else:
-        new_w, new_h = int(short * w / h), short
-    if (new_w, new_h) == (w, h):
-        return img
-    return img.resize((new_w, new_h), INTERPOLATION)
+    """`short_side_size` of a PIL image; an image already that size is returned as is."""
+    new = short_side_size(*img.size, short)
+    return img if new == img.size else img.resize(new, INTERPOLATION)
 
 
 def _center_crop(img: Image.Image, size: int) -> Image.Image:
@@ -62,12 +69,11 @@ def _center_crop(img: Image.Image, size: int) -> Image.Image:
         img, (w, h) = padded, padded.size
         if (w, h) == (size, size):
             return img
-    # Python's round(), as torchvision: (h - size) / 2 = k + 0.5 rounds to the even neighbour
-    top, left = int(round((h - size) / 2.0)), int(round((w - size) / 2.0))
+    top, left = center_offsets(w, h, size)
     return img.crop((left, top, left + size, top + size))
 
 
-def eval_transform(img: Image.Image, size: int, crop_pct: float = 0.95) -> np.ndarray:
+def eval_transform(img: Image.Image, size: int, crop_pct: float = CROP_PCT) -> np.ndarray:
     """timm's eval transform before ToTensor: RGB, resize the short side to
     floor(size / crop_pct) (bilinear, Pillow's antialiasing), centre crop size x size.
     Returns uint8 [size, size, 3]."""
