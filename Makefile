@@ -4,8 +4,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # The oracle extra (torch, timm) is ~5.5 GB from this machine's local wheel cache; the iree
-# extra (IREE's compiler and runtime) is what tests/test_iree.py runs renders on.
-EXTRAS_TEST := oracle,dev,iree
+# extra (IREE's compiler and runtime) is what tests/test_iree.py runs renders on; the dali
+# extra is the CPU twin of the GPU data path (tests/test_dali.py).
+EXTRAS_TEST := oracle,dev,iree,dali
 DEMO_NETS := resnet50 mnv4
 
 .PHONY: demo certify test test-fast test-all lint bench clean

@@ -190,9 +190,9 @@ def train(recipe: str, out: str, progress=None, warn=None, **config) -> dict:
     continuing the run already there; returns the last evaluation ({"raw": {loss, top1, top5},
     "ema": ...}). ``config``: the fields of `twinstep.training.config.TrainConfig` (data —
     "digits" or an image folder —, replicas, batch, res, steps or epochs, eval_every,
-    ckpt_every, keep, log_every, precision, seed, workers, randaugment, mixup, cutmix,
-    init_from, artifact, resume, fast_compile); ``progress(step, metrics)`` is told of every
-    step, ``warn(text)`` once of images that do not decode."""
+    ckpt_every, keep, log_every, precision, seed, workers, loader — "pillow" or "dali" —,
+    randaugment, mixup, cutmix, init_from, artifact, resume, fast_compile); ``progress(step,
+    metrics)`` is told of every step, ``warn(text)`` once of images that do not decode."""
     from twinstep.processes import disk
     from twinstep.training import loop
     from twinstep.training.config import TrainConfig
@@ -201,6 +201,10 @@ def train(recipe: str, out: str, progress=None, warn=None, **config) -> dict:
     if cfg.artifact is not None:
         _one_process("training with --artifact")
     disk.check_writable_folder(out, "--out")
+    if cfg.loader == "dali":
+        from twinstep.data import dali
+
+        dali.prepare_xla()
     devices(cfg.replicas)
     with _x64(cfg.precision):
         return loop.run(cfg, progress, warn)

@@ -14,6 +14,7 @@ from twinstep.cli import options
 
 
 def add(p) -> None:
+    from twinstep.data.loader import LOADERS
     from twinstep.ops.precision import NAMES as PRECISIONS
     from twinstep.training.config import MAX_WORKERS, TrainConfig
 
@@ -55,7 +56,13 @@ def add(p) -> None:
     p.add_argument("--workers", type=options.int_in(0, MAX_WORKERS + 1),
                    default=default["workers"], metavar="W",
                    help=f"loader processes decoding and augmenting images (default "
-                        f"{default['workers']}: one background thread); never changes the result")
+                        f"{default['workers']}: one background thread), or DALI's threads with "
+                        f"--loader dali; never changes the result")
+    p.add_argument("--loader", choices=LOADERS, default=default["loader"],
+                   help="who decodes and augments an image folder: 'pillow' (timm's transforms, "
+                        "pixel for pixel) or 'dali' (NVIDIA DALI, on the GPU when there is "
+                        "one; the [dali] extra; docs/training.md#dali). Default "
+                        f"{default['loader']}")
     p.add_argument("--randaugment", type=options.int_in(0, 31), metavar="M",
                    help="RandAugment rand-mM-mstd0.5-inc1 on an image folder (default: the "
                         "recipe's; none for a grammar name)")

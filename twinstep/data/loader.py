@@ -31,8 +31,8 @@ from twinstep.data import batches, digits, folder, mix, packed, transforms
 from twinstep.data import workers as workers_module
 from twinstep.errors import UsageError
 
+LOADERS = ("pillow", "dali")  # who decodes and augments an image folder
 PREFETCH = 2  # batches built ahead of the step that runs, per worker
-CROP_PCT = 0.95  # timm's eval crop for both nets' recipes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +113,7 @@ class Folder:
         rows, skipped = [], 0
         for i in idx:
             img, _, tried = self._decoded(self.val, int(i))
-            rows.append(transforms.eval_transform(img, self.res, CROP_PCT))
+            rows.append(transforms.eval_transform(img, self.res, transforms.CROP_PCT))
             skipped += tried
         return np.stack(rows), skipped
 
@@ -135,10 +135,32 @@ def train_size(data: str) -> int:
     return len(folder.scan(data, "train"))
 
 
-def source(data: str, res: int):
-    """``digits``, a packed folder (``twinstep pack``) or an image folder's root."""
+def check_loader(kind: str, data: str) -> None:
+    """UsageError (one line) unless ``kind`` can read ``data``."""
+    if kind not in LOADERS:
+        raise UsageError(f"unknown --loader {kind!r}; choose from {', '.join(LOADERS)}")
+    if kind == "dali":
+        from twinstep.data import dali
+
+        if data == "digits":
+            raise UsageError("--loader dali decodes images: give --data an image folder or a "
+                             "packed one (the digits are arrays already)")
+        if (why := dali.available()) is not None:
+            raise UsageError(why)
+
+
+def source(data: str, res: int, kind: str = "pillow", threads: int = 0):
+    """``digits``, a packed folder (``twinstep pack``) or an image folder's root, decoded by
+    Pillow (in ``threads`` worker processes, `stream`) or by DALI (on ``threads`` threads of
+    its own, and on the GPU when JAX has one: `twinstep.data.dali`)."""
+    check_loader(kind, data)
     if data == "digits":
         return Digits(res)
+    if kind == "dali":
+        from twinstep.data import dali
+
+        splits = packed.open_splits(data) if packed.is_packed(data) else folder.scan_both(data)
+        return dali.Dali(splits, res, threads, dali.device_id())
     return Packed(data, res) if packed.is_packed(data) else Folder(data, res)
 
 
@@ -198,7 +220,7 @@ def stream(make, start: int, stop: int, workers: int):
 def train_stream(src, augment, seed, start, stop, micro, rows, workers, part=None):
     """train_batch for the steps [start, stop), in order."""
     return stream(functools.partial(_train_item, src, augment, seed, micro, rows, part),
-                  start, stop, workers)
+                  start, stop, _processes(src, workers))
 
 
 def _train_item(src, augment, seed, micro, rows, part, step):
@@ -207,4 +229,9 @@ def _train_item(src, augment, seed, micro, rows, part, step):
 
 def val_stream(src, rows: int, workers: int, part: slice | None = None):
     return stream(functools.partial(val_batch, src, rows, part=part), 0,
-                  val_batch_count(src, rows), workers)
+                  val_batch_count(src, rows), _processes(src, workers))
+
+
+def _processes(src, workers: int) -> int:
+    """Worker processes for ``src``: none for DALI, whose threads are its workers."""
+    return 0 if getattr(src, "THREADS_ARE_WORKERS", False) else workers

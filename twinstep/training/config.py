@@ -20,7 +20,7 @@ from twinstep.ops.precision import NAMES as PRECISIONS
 # number of loader workers does not, nor the topology: R and N may change at the same R N, and
 # the recipe's name with N — its other fields must match, `check_run_dir`)
 RESUME_FIELDS = ("data", "res", "steps", "precision", "seed", "init_from", "randaugment",
-                 "mixup", "cutmix", "artifact")
+                 "mixup", "cutmix", "artifact", "loader")
 # what a render fixes, which a run with --artifact must give alike
 ARTIFACT_FIELDS = ("recipe", "replicas", "batch", "res", "precision")
 AUGMENT_FIELDS = ("randaugment", "mixup", "cutmix")  # the recipe's, unless given
@@ -48,6 +48,7 @@ class TrainConfig:
     precision: str = "f32"
     seed: int = 0
     workers: int = 0  # loader processes (0: a background thread); results do not depend on it
+    loader: str = "pillow"  # or "dali" (loader.LOADERS): who decodes and augments a folder
     randaugment: int | None = None  # these three: None keeps the recipe's (recipes.Recipe)
     mixup: float | None = None
     cutmix: float | None = None
@@ -62,6 +63,7 @@ class TrainConfig:
                              f"embedded set)")
         if not 0 <= self.workers <= MAX_WORKERS:
             raise UsageError(f"--workers must be in [0, {MAX_WORKERS}], got {self.workers}")
+        loader.check_loader(self.loader, self.data)
         if self.init_from is not None:
             if not self.init_from.endswith(INIT_FORMATS):
                 raise UsageError(f"--init-from {self.init_from}: a timm state dict "
@@ -157,7 +159,9 @@ def check_run_dir(cfg: TrainConfig) -> bool:
     # mathematics), so the recipe is compared field by field without N
     old_recipe, new_recipe = ({k: v for k, v in c.get("resolved_recipe", {}).items()
                                if k != "batch"} for c in (old, new))
-    changed = [(f, old.get(f), new[f]) for f in RESUME_FIELDS if old.get(f) != new[f]]
+    # a field a run older than it did not record had its default
+    was = {f.name: old.get(f.name, f.default) for f in dataclasses.fields(TrainConfig)}
+    changed = [(f, was[f], new[f]) for f in RESUME_FIELDS if was[f] != new[f]]
     changed += [(f"recipe field {k}", old_recipe.get(k), v) for k, v in new_recipe.items()
                 if old_recipe.get(k) != v]
     if changed:

@@ -41,7 +41,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     # RUN_DIR (read by every process before process 0 writes it), the programs
     recipe = cfg.parsed_recipe()
     net = get_net(recipe.net)
-    src = loader.source(cfg.data, cfg.res)
+    src = loader.source(cfg.data, cfg.res, cfg.loader, cfg.workers)
     resuming = check_run_dir(cfg)
     cluster.barrier("run-dir-read")
     if cluster.is_primary():
