@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, one script: twinstep's bf16 train step of both nets at 224² on one device
-# (img/s, MFU; bench/gpu_step.py), then whether XLA kept the bf16 convolutions bf16
-# (bench/gpu_bf16_hlo.py). Needs no network; at most 8 minutes (each part has a time limit).
+# (img/s, MFU; bench/gpu_step.py), whether XLA kept the bf16 convolutions bf16
+# (bench/gpu_bf16_hlo.py), then `twinstep train` end to end on generated JPEGs and their packed
+# copy through Pillow and DALI (img/s, data vs step; bench/gpu_train.py). Needs no network; at
+# most 8 minutes (each part has a time limit).
 #
 #   bash bench/gpu.sh            # from the repository root, on a machine with an NVIDIA GPU
 #
@@ -9,7 +11,10 @@
 # [cuda] extra is installed, from wheels in ./.wheels when that folder exists (no network needed:
 # `pip download 'jax[cuda12]>=0.10.2,<0.11' -d .wheels` on a machine that has one), else from the
 # package index. twinstep itself runs from this checkout (PYTHONPATH), not installed.
-# Results: bench/gpu_step.json (and the optimized HLO in bench/hlo/), or under $OUT/ when $OUT
+# DALI: the [dali] extra when it installs (from ./.wheels, else the index); without it the
+# train timing runs the Pillow paths only.
+# Results: bench/gpu_step.json, bench/gpu_train.json (and the optimized HLO in bench/hlo/), or
+# under $OUT/ when $OUT
 # is set; their numbers (img/s and MFU per net, the bf16 check's verdict) belong under the
 # heading "## GPU" of bench/RESULTS.md, written there by hand: this script writes JSON only.
 # Exit: 0 ran, 1 a bf16 check failed, 2 no GPU, 3 environment error.
@@ -39,11 +44,25 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader \
     2>/dev/null || true
 
-timeout 390 "$PY" bench/gpu_step.py --json "$out/gpu_step.json"
+timeout 240 "$PY" bench/gpu_step.py --json "$out/gpu_step.json"
 step=$?
-timeout 90 "$PY" bench/gpu_bf16_hlo.py --hlo-dir "$out/hlo"
+timeout 60 "$PY" bench/gpu_bf16_hlo.py --hlo-dir "$out/hlo"
 bf16=$?
-echo "gpu.sh: gpu_step exit $step, gpu_bf16_hlo exit $bf16"
-[ "$step" -eq 0 ] && [ "$bf16" -eq 0 ] && exit 0
+paths="pillow pillow-packed dali dali-packed"
+if ! "$PY" -c 'import nvidia.dali' 2>/dev/null; then
+    if [ -d .wheels ]; then
+        "$PY" -m pip install -q --no-index --find-links .wheels -e '.[dali]' 2>/dev/null
+    else
+        "$PY" -m pip install -q -e '.[dali]' 2>/dev/null
+    fi
+    "$PY" -c 'import nvidia.dali' 2>/dev/null || {
+        echo "gpu.sh: DALI does not install here; timing the Pillow paths only" >&2
+        paths="pillow pillow-packed"; }
+fi
+# shellcheck disable=SC2086 # the paths are words
+timeout 180 "$PY" bench/gpu_train.py --json "$out/gpu_train.json" --paths $paths
+train=$?
+echo "gpu.sh: gpu_step exit $step, gpu_bf16_hlo exit $bf16, gpu_train exit $train"
+[ "$step" -eq 0 ] && [ "$bf16" -eq 0 ] && [ "$train" -eq 0 ] && exit 0
 [ "$bf16" -eq 1 ] && exit 1
 exit 3

@@ -7,17 +7,19 @@ delivered as mixed training batches, by worker count, with and without RandAugme
             itself run on the devices, beside the step; 0 workers is one background thread
   packed    the same from the folder's packed copy (`twinstep pack`: short side <= 320, q90,
             ArrayRecord shards)
+  dali      `--loader dali`: the same draws, decoded (only the crop) and augmented by DALI's
+            CPU operators on max(workers, 1) threads of its own; "dali packed" from the copy
   timm      `timm.data.create_loader` (a torch DataLoader, its worker processes) over the same
             folder with the same transform (train interpolation 'random', no colour jitter —
             twinstep has none), normalised float32 batches, then `timm.data.Mixup` on each batch
             as timm's train.py applies it; 0 workers is the calling thread
 
-Both read the same JPEGs (ImageNet-sized, 500 x 375, q90) at 224². img/s per core divides by
+All read the same JPEGs (ImageNet-sized, 500 x 375, q90) at 224². img/s per core divides by
 the cores the pipeline keeps busy (its workers, or one); the projection says how many such
 cores feed 8,000 img/s (the ResNet-50 goal of one H200). The table rewrites the section "Data
 pipeline" of bench/RESULTS.md. Needs the [oracle] extra (torch, timm).
 
-    python bench/loader.py [--workers 0 1 2] [--images 64] [--steps 12] [--repeats 5]
+    python bench/loader.py [--workers 0 1 2] [--images 64] [--steps 24] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -60,15 +62,21 @@ def write_folder(root: str, images: int) -> None:
                 os.path.join(folder, f"{i}.jpg"), quality=90)
 
 
-def twinstep_batches(root: str, workers: int, randaugment: bool, steps: int):
+def twinstep_batches(root: str, workers: int, randaugment: bool, steps: int,
+                     kind: str = "pillow"):
     """A generator of twinstep's training batches (and the callable that stops it), from the
-    image folder or, given its packed copy, from that."""
+    image folder or, given its packed copy, from that; ``kind`` "dali": DALI decodes, on
+    max(workers, 1) threads."""
     from twinstep.data import loader, mix
 
-    src = loader.source(root, RES)
+    src = loader.source(root, RES, kind, workers)
     augment = loader.Augment(RANDAUGMENT if randaugment else None, mix.MixParams(MIXUP, CUTMIX))
     stream = loader.train_stream(src, augment, 0, 0, steps, 1, ROWS, workers)
     return stream, stream.close
+
+
+def dali_batches(root: str, workers: int, randaugment: bool, steps: int):
+    return twinstep_batches(root, workers, randaugment, steps, "dali")
 
 
 def timm_batches(root: str, workers: int, randaugment: bool, steps: int):
@@ -134,14 +142,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--images", type=int, default=64, help="JPEGs per split (default 64)")
-    p.add_argument("--steps", type=int, default=12, help="batches per measurement")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=24, help="batches per measurement (a second or "
+                   "more: shorter windows measure the workers starting)")
+    p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     if args.images < ROWS:
         p.error(f"--images must be >= {ROWS}, a batch (timm's training loader drops a partial "
                 f"batch)")
-    peers = {"twinstep": twinstep_batches, "twinstep packed": twinstep_batches,
-             "timm": timm_batches}
+    # name: (batches, reads the packed copy)
+    peers = {"twinstep": (twinstep_batches, False), "packed": (twinstep_batches, True),
+             "dali": (dali_batches, False), "dali packed": (dali_batches, True),
+             "timm": (timm_batches, False)}
     cases = [(ra, w) for ra in (True, False) for w in args.workers]
     rates: dict = {(peer, ra, w): [] for peer in peers for ra, w in cases}
     starts: dict = {key: [] for key in rates}
@@ -156,29 +167,32 @@ def main() -> None:
         for i in range(args.repeats):  # interleaved; every other round in reverse order
             for ra, w in cases if i % 2 == 0 else cases[::-1]:
                 for peer in peers if i % 2 == 0 else list(peers)[::-1]:
-                    where = packed_root if peer == "twinstep packed" else root
-                    r, s = rate(peers[peer], where, w, ra, args.steps)
+                    make, from_packed = peers[peer]
+                    r, s = rate(make, packed_root if from_packed else root, w, ra, args.steps)
                     rates[peer, ra, w].append(r)
                     starts[peer, ra, w].append(s)
             load.append(machine_load())
     med = {key: statistics.median(v) for key, v in rates.items()}
-    lines = ["| RandAugment | workers | twinstep img/s | packed img/s | timm img/s | "
-             "twinstep / timm | packed / twinstep | twinstep img/s per core | packed img/s per "
-             "core | timm img/s per core | twinstep vs its 1 worker |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| RandAugment | workers | " + " | ".join(f"{p} img/s" for p in peers)
+             + " | twinstep / timm | packed / twinstep | dali / twinstep | twinstep vs its 1 "
+             "worker |", "|---|---|" + "---|" * (len(peers) + 4)]
     for ra, w in cases:
-        ours, pk, theirs = (med[p, ra, w] for p in peers)
+        got = {p: med[p, ra, w] for p in peers}
         one = med.get(("twinstep", ra, 1))
-        lines.append(f"| {'m9' if ra else 'off'} | {w} | {ours:.0f} | {pk:.0f} | {theirs:.0f} | "
-                     f"**{ours / theirs:.2f}** | **{pk / ours:.2f}** | {ours / max(w, 1):.0f} | "
-                     f"{pk / max(w, 1):.0f} | {theirs / max(w, 1):.0f} | "
-                     f"{'-' if one is None or w == 0 else f'{ours / one:.2f}x'} |")
-    lines += ["", f"Cores to feed {GOAL:,} img/s (the best img/s per core of each path above):",
-              "", "| path | RandAugment | img/s per core | cores |", "|---|---|---|---|"]
+        scaling = "-" if one is None or w == 0 else f"{got['twinstep'] / one:.2f}x"
+        lines.append(f"| {'m9' if ra else 'off'} | {w} | "
+                     + " | ".join(f"{got[p]:.0f}" for p in peers)
+                     + f" | **{got['twinstep'] / got['timm']:.2f}** | "
+                     f"**{got['packed'] / got['twinstep']:.2f}** | "
+                     f"**{got['dali'] / got['twinstep']:.2f}** | "
+                     f"{scaling} |")
+    lines += ["", f"Cores to feed {GOAL:,} img/s (the best img/s per core of each path above; "
+              "a worker, or DALI's thread, is a core):", "",
+              "| path | RandAugment | img/s per core | cores |", "|---|---|---|---|"]
     for peer in peers:
         for ra in (True, False):
             best = max(med[peer, ra, w] / max(w, 1) for w in args.workers)
-            lines.append(f"| {peer} (Pillow) | {'m9' if ra else 'off'} | {best:.0f} | "
+            lines.append(f"| {peer} | {'m9' if ra else 'off'} | {best:.0f} | "
                          f"{GOAL / best:.0f} |")
     lines += ["", disk]
     command = "python bench/loader.py " + " ".join(sys.argv[1:])

@@ -1,0 +1,116 @@
+"""`twinstep train` end to end on real JPEGs, on one device: images per second for each net and
+data path, and where the time goes.
+
+A folder of generated 500 x 375 JPEGs (bench/loader.py's, ImageNet-sized) and its packed copy
+(`twinstep pack`) are trained on at --res with the recipe ``<net>in_adamdp<N>bf16`` (bf16
+convolutions, as bench/gpu_step.py), through four data paths: Pillow from the folder, Pillow
+from the packed copy, DALI from each (`--loader dali`: its GPU decoder when JAX has a GPU).
+For each, three rates:
+
+  data    the loader alone (`twinstep.data.loader.train_stream`, no device): what it delivers
+  train   `twinstep train` (the last metrics line's img/s: every step after the first, which
+          compiles; the final evaluation excluded)
+  bound   "data" when train is within 10 % of it (the loader feeds the step no faster), else
+          "step"
+
+Compiles are shared through a JAX compilation cache in the temporary folder. Prints one line
+per (net, path) and writes JSON (--json) after each, so a run cut short keeps what it measured.
+On a machine without a GPU it runs too (its CPU twin, at a small --res): `make test` does not run
+it, tests/test_dali.py holds the DALI path on CPU.
+
+    python bench/gpu_train.py [--nets resnet50 mnv4] [--res 224] [--batch 256] [--steps 40]
+                              [--images 1024] [--workers W] [--json bench/gpu_train.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from loader import write_folder  # noqa: E402
+
+PATHS = {"pillow": ("pillow", False), "pillow-packed": ("pillow", True),
+         "dali": ("dali", False), "dali-packed": ("dali", True)}  # name: (loader, packed)
+
+
+def data_rate(data: str, kind: str, recipe: str, res: int, workers: int, steps: int) -> float:
+    """img/s of the loader alone, after its first batch, with the recipe's augmentation."""
+    from twinstep import recipes
+    from twinstep.data import loader, mix
+
+    r = recipes.parse(recipe)
+    augment = loader.Augment(r.randaugment, mix.MixParams(r.mixup, r.cutmix)
+                             if r.mixup or r.cutmix else None)
+    src = loader.source(data, res, kind, workers)
+    stream = loader.train_stream(src, augment, 0, 0, steps, r.accum, r.batch, workers)
+    next(stream)
+    t0 = time.perf_counter()
+    n = sum(1 for _ in stream)
+    stream.close()
+    return n * r.batch * r.accum / (time.perf_counter() - t0)
+
+
+def train_rate(data: str, kind: str, recipe: str, res: int, workers: int, steps: int,
+               out: str) -> float:
+    """img/s of `twinstep train` after its first step (metrics.jsonl's last train line)."""
+    import twinstep
+
+    twinstep.train(recipe, out, data=data, loader=kind, res=res, steps=steps, workers=workers,
+                   precision="bf16", eval_every=steps, ckpt_every=steps, log_every=steps)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f if '"eval"' not in line]
+    return lines[-1]["img_per_s"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nets", nargs="+", default=["resnet50", "mnv4"])
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    p.add_argument("--res", type=int, default=224)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--images", type=int, default=1024, help="JPEGs per split")
+    p.add_argument("--workers", type=int, default=os.cpu_count(),
+                   help="loader processes, or DALI's threads (default: every core)")
+    p.add_argument("--json", default=str(Path(__file__).with_name("gpu_train.json")))
+    args = p.parse_args()
+    import jax
+
+    from twinstep import api
+
+    results = {"device": jax.devices()[0].device_kind, "res": args.res, "batch": args.batch,
+               "steps": args.steps, "workers": args.workers, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax-cache"))
+        folder, packed = os.path.join(tmp, "folder"), os.path.join(tmp, "packed")
+        t0 = time.perf_counter()
+        write_folder(folder, args.images)
+        api.pack(folder, packed)
+        print(f"gpu_train: {args.images} JPEGs per split and their packed copy in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+        for net in args.nets:
+            recipe = f"{net}in_adamdp{args.batch}bf16"
+            for name in args.paths:
+                kind, from_packed = PATHS[name]
+                data = packed if from_packed else folder
+                fed = data_rate(data, kind, recipe, args.res, args.workers, args.steps)
+                trained = train_rate(data, kind, recipe, args.res, args.workers, args.steps,
+                                     os.path.join(tmp, f"{net}-{name}"))
+                bound = "data" if trained >= 0.9 * fed else "step"
+                results["runs"].append({"net": net, "path": name, "data_img_per_s": fed,
+                                        "train_img_per_s": trained, "bound": bound})
+                print(f"{net:9s} {name:13s} data {fed:8.0f} img/s   train {trained:8.0f} "
+                      f"img/s   bound by the {bound}", flush=True)
+                Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
