@@ -4,6 +4,7 @@ interrupt is exit 130 — and bad input of every kind is one line on stderr, exi
 work and with no file left behind (the fuzz below)."""
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -111,7 +112,21 @@ def bad_inputs(tmp):
     out = str(tmp / "out")
     a_file = tmp / "a_file"
     a_file.write_text("")
+    from twinstep.rendering.manifest import KEYS
+
+    renders = {}  # render manifests of the wrong shape, beside an (empty) render file
+    for name, manifest in (("listed", []), ("typed", {**dict.fromkeys(KEYS, 1), "replicas": "2"}),
+                           ("huge", {**dict.fromkeys(KEYS, 1), "replicas": 100000})):
+        (tmp / f"{name}.json").write_text(json.dumps(manifest))
+        (tmp / f"{name}.jaxexport").write_text("")
+        renders[name] = str(tmp / f"{name}.jaxexport")
     return [
+        (["tie", "resnet50", "--replicas", "100000"], "< 1025"),
+        (["train", "mnv4in_adamdp", "--out", out, "--replicas", "5000"], "< 1025"),
+        (["tie", "--render", renders["listed"]], "is not a render manifest"),
+        (["tie", "--render", renders["typed"]], "replicas = '2'; expected an int >= 1"),
+        (["tie", "--render", renders["huge"]], "replicas = 100000; expected an int >= 1 and <= "),
+        (["train", "mnv4in_adamdp", "--out", out, "--render", renders["typed"]], "replicas = '2'"),
         (["nope"], "invalid choice"), (["--nope"], "unrecognized"),
         (["tie"], "the net is required"), (["tie", "vgg"], "invalid choice"),
         (["tie", "resnet50", "--res", "x"], "not an integer"),
@@ -201,6 +216,49 @@ def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys)
         assert "Traceback" not in err
         assert sorted(os.listdir(tmp_path)) == before, argv
     assert len(cases) >= 40
+
+
+def test_a_refused_publish_leaves_no_lock_and_no_temporary_file(tmp_path, monkeypatch):
+    """`twinstep.processes.disk.publish` on a full disk (the temporary file cannot be made):
+    the error propagates, and neither the set's lock nor a temporary file is left."""
+    import errno
+    import tempfile
+
+    from twinstep.processes import disk
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    disk.publish({str(tmp_path / "a"): b"1"}, lock=str(tmp_path / ".a.lock"))
+    assert sorted(os.listdir(tmp_path)) == ["a"]  # published, the lock removed
+    monkeypatch.setattr(tempfile, "mkstemp", full)
+    with pytest.raises(OSError, match="No space"):
+        disk.publish({str(tmp_path / "b"): b"2"}, lock=str(tmp_path / ".b.lock"))
+    assert sorted(os.listdir(tmp_path)) == ["a"]
+
+
+def test_the_environment_a_user_runs_in_is_exit_3_or_plain_ascii(monkeypatch):
+    """A flag XLA does not know is exit 3 in one line, before XLA aborts the command (and a
+    flag it knows passes the check); a console that cannot print Unicode gets the report in
+    ASCII spellings, exit 0."""
+    from twinstep.errors import BackendError
+    from twinstep.processes import settings
+
+    env = {**os.environ, "XLA_FLAGS": "--this_is_garbage"}
+    done = subprocess.run([sys.executable, "-m", "twinstep.cli", "tie", "mnv4"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3 and done.stderr.count("\n") == 1, done.stderr
+    assert "Unknown flag in XLA_FLAGS: --this_is_garbage" in done.stderr
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    settings.check_xla_flags()  # the control: a known flag passes
+    monkeypatch.setenv("XLA_FLAGS", "--this_is_garbage")
+    with pytest.raises(BackendError):
+        settings.check_xla_flags()
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    done = subprocess.run([sys.executable, "-m", "twinstep.cli", "recipe", "rsb-a1"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert "beta 0.9/0.999" in done.stdout and done.stdout.isascii()
 
 
 def test_the_api_checks_a_config_before_anything_compiles():

@@ -13,6 +13,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from twinstep.collectives import Replicas
+from twinstep.defaults import MAX_REPLICAS
+from twinstep.errors import UsageError
 from twinstep.processes import cluster
 
 AXIS = "r"
@@ -22,7 +24,10 @@ def ensure_devices(count: int) -> None:
     """Ask for ``count`` virtual CPU devices (or keep a larger number already asked for, e.g. by
     JAX_NUM_CPU_DEVICES). Call before JAX's first operation; later it is a no-op (the number of
     devices is then fixed, and `mesh` says if it is too few). Ask for no more than a run uses:
-    every virtual device slows the programs of the others (docs/platform.md)."""
+    every virtual device slows the programs of the others (docs/platform.md). More than
+    `twinstep.defaults.MAX_REPLICAS` is refused (UsageError)."""
+    if not 1 <= count <= MAX_REPLICAS:
+        raise UsageError(f"replicas must be in [1, {MAX_REPLICAS}], got {count}")
     try:
         jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices))
     except RuntimeError:

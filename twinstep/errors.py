@@ -13,8 +13,8 @@ class ClusterError(RuntimeError):
 
 
 class BackendError(RuntimeError):
-    """An optional backend (IREE, the [iree] extra) is missing or failed on a program: an
-    environment error, exit 3 in one line."""
+    """An optional backend (IREE, the [iree] extra) is missing or failed on a program, or XLA
+    refuses its flags: an environment error, exit 3 in one line."""
 
 
 class RenderError(UsageError):

@@ -19,7 +19,7 @@ def add(p) -> None:
                      "devices, and that each negative control is caught "
                      "(docs/tie.md#certification). Exit 0 when all hold, 1 when not, 2 on bad "
                      "usage.")
-    options.count(p, "--replicas", [2, 4], "replica counts for the data-parallel facts "
+    options.replicas(p, [2, 4], "replica counts for the data-parallel facts "
                                            "(default: 2 4)", "R", nargs="+")
     options.seed(p)
     options.json_out(p)

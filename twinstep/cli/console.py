@@ -3,11 +3,37 @@ which scripts read), and on stderr, only on a terminal, what a long command is d
 
 from __future__ import annotations
 
+import codecs
 import contextlib
+import sys
 
 from rich.console import Console
 
 COLOURS = {"tied": "green", "NOT tied": "red", "inconclusive": "yellow"}  # a tie's status
+
+
+# what a report's non-ASCII characters become on a console that cannot show them (any other: ?)
+ASCII = {"β": "beta", "λ": "lambda", "ε": "eps", "²": "^2", "³": "^3", "×": "x", "·": ".",
+         "—": "-", "–": "-", "−": "-", "…": "...", "≤": "<=", "≥": ">=", "≈": "~", "±": "+/-",
+         "→": "->", "√": "sqrt", "⌈": "ceil(", "⌉": ")", "⌊": "floor(", "⌋": ")", "°": " deg"}
+
+
+def _spell(error: UnicodeEncodeError):
+    bad = error.object[error.start:error.end]
+    return "".join(ASCII.get(c, "?") for c in bad), error.end
+
+
+def ascii_fallback() -> None:
+    """Let stdout and stderr print what they cannot encode (PYTHONIOENCODING=ascii, a C locale)
+    in ASCII spellings (`ASCII`) instead of failing: a report reads the same, plainer."""
+    codecs.register_error("twinstep-ascii", _spell)
+    for stream in (sys.stdout, sys.stderr):
+        encoding = getattr(stream, "encoding", None) or "ascii"
+        try:
+            "β²×—".encode(encoding)
+        except (UnicodeEncodeError, LookupError):
+            if hasattr(stream, "reconfigure"):
+                stream.reconfigure(errors="twinstep-ascii")
 
 
 def mark(ok: bool) -> str:

@@ -74,7 +74,14 @@ def _module(name: str):
     return importlib.import_module(f"twinstep.cli.{name}")
 
 
+# the commands that never start JAX, so need not check XLA_FLAGS
+NO_JAX = ("recipe", "plot", "pack", "launch")
+
+
 def main(argv=None) -> int:
+    from twinstep.cli.console import ascii_fallback
+
+    ascii_fallback()
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command is None:
@@ -86,6 +93,10 @@ def main(argv=None) -> int:
             from twinstep.processes import disk
 
             disk.check_writable_file(args.json, "--json")
+        if name not in NO_JAX:
+            from twinstep.processes import settings
+
+            settings.check_xla_flags()
         return _module(name).run(args, parser.commands[name])
     except UsageError as e:
         print(f"twinstep {args.command}: {e}", file=sys.stderr)

@@ -39,6 +39,14 @@ def count(p, flag: str, default, help: str, metavar: str | None = None, least: i
     p.add_argument(flag, type=int_in(least), default=default, metavar=metavar, help=help, **kw)
 
 
+def replicas(p, default, help: str, metavar: str = "R", **kw) -> None:
+    """--replicas: an integer in [1, MAX_REPLICAS], refused before JAX creates a device."""
+    from twinstep.defaults import MAX_REPLICAS
+
+    p.add_argument("--replicas", type=int_in(1, MAX_REPLICAS + 1), default=default,
+                   metavar=metavar, help=help, **kw)
+
+
 def json_out(p, help: str = "also write the report as JSON") -> None:
     p.add_argument("--json", metavar="PATH", help=help)
 

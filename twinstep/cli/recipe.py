@@ -29,7 +29,7 @@ def add(p) -> None:
         + "\n\nExit 0 on a valid name, 2 on a bad one (the error names the token).")
     p.add_argument("name", help="a grammar name, e.g. resnet50in160_lambaccdp4x128wxclipbcebf16, "
                                 "or a preset")
-    options.count(p, "--replicas", None, "also print the effective batch R*N*k", "R")
+    options.replicas(p, None, "also print the effective batch R*N*k", "R")
     options.json_print(p)
 
 

@@ -33,7 +33,7 @@ def add(p) -> None:
     p.add_argument("--all", action="store_true",
                    help=f"render the reference names and the presets (docs/recipes.md), at "
                         f"--res {render.SMALL_RES} unless given")
-    options.count(p, "--replicas", 1, "the mesh the step is rendered for (default 1: no "
+    options.replicas(p, 1, "the mesh the step is rendered for (default 1: no "
                                       "collective)", "R")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
     options.count(p, "--res", None, "input resolution (default: the recipe's train resolution)")

@@ -43,7 +43,7 @@ def add(p) -> None:
     p.add_argument("net", choices=sorted(NETS), nargs="?",
                    help="the network (omitted with --render: the manifest names it)")
     step = p.add_argument_group(STEP_GROUP, "what is tied; a render's manifest fixes all of it")
-    options.count(step, "--replicas", None, f"replicas R (default {default['replicas']})", "R")
+    options.replicas(step, None, f"replicas R (default {default['replicas']})", "R")
     options.count(step, "--batch", None, "examples per replica (default: "
                   + ", ".join(f"{v['batch']} in {k}" for k, v in PRECISION_DEFAULTS.items())
                   + "; the recipe's N)", "N")

@@ -34,7 +34,7 @@ def add(p) -> None:
     p.add_argument("--data", default=default["data"], metavar="DIR|digits",
                    help=f"an image folder, or the embedded digits (default {default['data']})")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="the run's folder (created)")
-    options.count(p, "--replicas", default["replicas"],
+    options.replicas(p, default["replicas"],
                   f"replicas R (default {default['replicas']})", "R")
     options.count(p, "--batch", None, "examples per replica (default: the recipe's N)", "N")
     options.count(p, "--res", default["res"], f"input resolution (default {default['res']})")

@@ -21,9 +21,12 @@ def publish(blobs: dict[str, bytes], lock: str | None = None) -> None:
     the file that vouches for the others last). ``lock``: a file held exclusively meanwhile, so
     that two processes publishing the same set do not interleave."""
     if lock is not None:
-        with open(lock, "a") as held:
-            fcntl.flock(held, fcntl.LOCK_EX)  # released when closed
+        held = _hold(lock)
+        try:
             return publish(blobs)
+        finally:  # removed while held: nothing is left, and a waiter sees it gone (`_hold`)
+            os.unlink(lock)
+            held.close()
     global publishing, interrupted
     umask = os.umask(0)
     os.umask(umask)
@@ -46,6 +49,20 @@ def publish(blobs: dict[str, bytes], lock: str | None = None) -> None:
     if interrupted and not publishing:
         interrupted = False
         raise KeyboardInterrupt
+
+
+def _hold(lock: str):
+    """``lock`` opened and locked exclusively; retried while the file locked is not the one at
+    the path (its holder removed it before releasing it)."""
+    while True:
+        held = open(lock, "a")
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            if os.stat(lock).st_ino == os.fstat(held.fileno()).st_ino:
+                return held
+        except FileNotFoundError:
+            pass
+        held.close()
 
 
 def check_writable_file(path: str, flag: str) -> None:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import jax
 
-from twinstep.errors import UsageError
+from twinstep.errors import BackendError, UsageError
 
 
 @contextlib.contextmanager
@@ -21,6 +24,23 @@ def jax_settings(**updates):
     finally:
         for name, value in before.items():
             jax.config.update(name, value)
+
+
+def check_xla_flags() -> None:
+    """XLA reads XLA_FLAGS when its backend starts and aborts the process on a flag it does not
+    know, with its own log line and no exit status of ours. When XLA_FLAGS is set, a throw-away
+    process starts XLA first (about a second); a refusal is BackendError (exit 3, one line)."""
+    if not os.environ.get("XLA_FLAGS", "").strip():
+        return
+    try:
+        done = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
+                              capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise BackendError(f"cannot start XLA to check XLA_FLAGS: {e}") from None
+    if done.returncode != 0:
+        said = [line for line in done.stderr.splitlines() if "XLA_FLAGS" in line]
+        why = said[-1].split("] ", 1)[-1] if said else f"exit status {done.returncode}"
+        raise BackendError(f"XLA refuses XLA_FLAGS={os.environ['XLA_FLAGS']!r}: {why}")
 
 
 def available_memory() -> int | None:

@@ -14,6 +14,7 @@ import jax
 import twinstep
 from twinstep import dp, recipes
 from twinstep.collectives import CONTROLS, SITES, grad_buckets
+from twinstep.defaults import MAX_REPLICAS
 from twinstep.errors import RenderError
 from twinstep.nets import get_net, layers
 from twinstep.ops.precision import NAMES as PRECISIONS
@@ -130,11 +131,14 @@ def check(manifest, where: str) -> recipes.Recipe:
     missing = [k for k in KEYS if k not in manifest]
     if missing:
         raise RenderError(f"{where} is not a render manifest (no {missing[0]!r})")
-    for key, low in (("replicas", 1), ("batch", 1), ("global_batch", 1), ("accum", 1),
-                     ("res", 1), ("classes", 2)):
+    for key, low, high in (("replicas", 1, MAX_REPLICAS), ("batch", 1, None),
+                           ("global_batch", 1, None), ("accum", 1, None), ("res", 1, None),
+                           ("classes", 2, None)):
         value = manifest[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise RenderError(f"{where}: {key} = {value!r}; expected an int >= {low}")
+        if (isinstance(value, bool) or not isinstance(value, int) or value < low
+                or (high is not None and value > high)):
+            raise RenderError(f"{where}: {key} = {value!r}; expected an int >= {low}"
+                              + (f" and <= {high}" if high is not None else ""))
     for key, allowed in (("precision", PRECISIONS), ("platform", PLATFORMS),
                          ("control", tuple(CONTROLS))):
         if manifest[key] not in allowed:

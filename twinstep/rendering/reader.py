@@ -27,17 +27,21 @@ IREE_SUFFIX = ".vmfb"
 
 
 def read_manifest(path: str) -> dict:
-    """The manifest (NAME.json) of the render NAME.jaxexport or NAME.vmfb, unchecked: enough to
+    """The manifest (NAME.json) of the render NAME.jaxexport or NAME.vmfb, its schema checked
+    (`twinstep.rendering.manifest.check`; RenderError, one line) but not its files: enough to
     know, before JAX starts, how many devices it needs."""
     suffix = next((s for s in SUFFIXES if path.endswith(s)), None)
     if suffix is None:
         raise UsageError(f"{path}: a render is a NAME.jaxexport or NAME.vmfb file from "
                          f"'twinstep render'")
+    where = path[:-len(suffix)] + ".json"
     try:
-        with open(path[:-len(suffix)] + ".json") as f:
-            return json.load(f)
+        with open(where) as f:
+            manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot read the render's manifest: {e}") from None
+    manifests.check(manifest, where)
+    return manifest
 
 
 def _read(path: str) -> bytes:

@@ -106,15 +106,12 @@ class TrainConfig:
         if not self.artifact.endswith(".jaxexport") or not os.path.isfile(self.artifact):
             raise UsageError(f"--artifact {self.artifact}: a NAME.jaxexport file from "
                              f"'twinstep render'")
-        try:
-            with open(self.artifact[:-len(".jaxexport")] + ".json") as f:
-                manifest = json.load(f)
-            given = {"recipe": manifest["name"], "replicas": manifest["replicas"],
-                     "batch": manifest["batch"], "res": manifest["res"],
-                     "precision": manifest["precision"]}
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UsageError(f"--artifact {self.artifact}: cannot read its manifest "
-                             f"({type(e).__name__})") from None
+        from twinstep.rendering import reader
+
+        manifest = reader.read_manifest(self.artifact)  # its schema checked
+        given = {"recipe": manifest["name"], "replicas": manifest["replicas"],
+                 "batch": manifest["batch"], "res": manifest["res"],
+                 "precision": manifest["precision"]}
         for field in ARTIFACT_FIELDS:
             if given[field] != getattr(self, field):
                 raise UsageError(f"--artifact {self.artifact} was rendered with {field} = "
