@@ -6,6 +6,7 @@ work and with no file left behind (the fuzz below)."""
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -259,6 +260,32 @@ def test_the_environment_a_user_runs_in_is_exit_3_or_plain_ascii(monkeypatch):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert "beta 0.9/0.999" in done.stdout and done.stdout.isascii()
+
+
+def test_compiled_programs_are_kept_and_loaded_not_compiled_again(tmp_path):
+    """The CLI's compilation cache (`settings.use_compile_cache`): a program compiled once is
+    kept, and the same program in a new process adds nothing (loaded); the control, another
+    program, adds an entry. TWINSTEP_NO_COMPILE_CACHE keeps nothing; a JAX_COMPILATION_CACHE_DIR
+    of the user's own is left to JAX."""
+    program = ("from twinstep.processes import settings; settings.use_compile_cache(); "
+               "import jax, jax.numpy as jnp; jax.jit(lambda x: jnp.sin(x) * {}).lower("
+               "jnp.ones(3)).compile()")
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+
+    def entries(scale: int, **more) -> int:
+        subprocess.run([sys.executable, "-c", program.format(scale)], check=True, timeout=120,
+                       env={**env, "TWINSTEP_COMPILE_CACHE": str(cache), **more})
+        return len(os.listdir(cache)) if cache.exists() else 0
+
+    first = entries(2)
+    assert first > 0 and entries(2) == first  # loaded: nothing compiled again
+    assert entries(3) > first  # the control: another program is kept too
+    shutil.rmtree(cache)
+    assert entries(2, TWINSTEP_NO_COMPILE_CACHE="1") == 0
+    assert entries(2, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "theirs"),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0") == 0
+    assert os.listdir(tmp_path / "theirs")
 
 
 def test_the_api_checks_a_config_before_anything_compiles():

@@ -34,6 +34,11 @@ COMMANDS = {  # each command's line in 'twinstep --help'; its module is twinstep
     "launch": "run train or tie as P processes on this host, joined into one runtime",
 }
 ALIASES = {"export": "weights"}  # the names of 0.1.0
+# the commands that never start JAX: no XLA_FLAGS check, no compilation cache
+NO_JAX = ("recipe", "plot", "pack", "launch")
+NO_CACHE_HELP = ("compile every program afresh: neither load nor keep compiled programs (also "
+                 "TWINSTEP_NO_COMPILE_CACHE=1; kept in ~/.cache/twinstep/jax by default, "
+                 "docs/speed.md#compilation-cache)")
 
 
 def command_of(argv: list[str]) -> str | None:
@@ -60,6 +65,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"twinstep {__version__}")
     p.add_argument("--debug", action="store_true",
                    help="show the traceback of an internal error (also TWINSTEP_DEBUG=1)")
+    p.add_argument("--no-compile-cache", action="store_true", help=NO_CACHE_HELP)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     p.commands = {}  # each command's own parser
     for name, line in COMMANDS.items():
@@ -67,6 +73,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
         p.commands[name] = sub.add_parser(name, help=line, aliases=aliases)
         if name == chosen:
             _module(name).add(p.commands[name])
+            if name not in NO_JAX:  # after the command too; SUPPRESS keeps the one before it
+                p.commands[name].add_argument("--no-compile-cache", action="store_true",
+                                              default=argparse.SUPPRESS, help=NO_CACHE_HELP)
     return p
 
 
@@ -74,8 +83,6 @@ def _module(name: str):
     return importlib.import_module(f"twinstep.cli.{name}")
 
 
-# the commands that never start JAX, so need not check XLA_FLAGS
-NO_JAX = ("recipe", "plot", "pack", "launch")
 
 
 def main(argv=None) -> int:
@@ -93,10 +100,13 @@ def main(argv=None) -> int:
             from twinstep.processes import disk
 
             disk.check_writable_file(args.json, "--json")
+        if args.no_compile_cache:  # the processes a launch starts inherit it
+            os.environ["TWINSTEP_NO_COMPILE_CACHE"] = "1"
         if name not in NO_JAX:
             from twinstep.processes import settings
 
             settings.check_xla_flags()
+            settings.use_compile_cache()
         return _module(name).run(args, parser.commands[name])
     except UsageError as e:
         print(f"twinstep {args.command}: {e}", file=sys.stderr)

@@ -26,6 +26,39 @@ def jax_settings(**updates):
             jax.config.update(name, value)
 
 
+CACHE_BYTES = 4 * 2**30  # the compilation cache's bound: least recently used programs go first
+
+
+def compile_cache_dir() -> str | None:
+    """Where the CLI keeps compiled programs (docs/speed.md#compilation-cache):
+    $TWINSTEP_COMPILE_CACHE, else $XDG_CACHE_HOME/twinstep/jax (~/.cache/twinstep/jax); None
+    when TWINSTEP_NO_COMPILE_CACHE is set, or when JAX_COMPILATION_CACHE_DIR names the user's
+    own (JAX then uses that)."""
+    if os.environ.get("TWINSTEP_NO_COMPILE_CACHE") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return None
+    if os.environ.get("TWINSTEP_COMPILE_CACHE"):
+        return os.environ["TWINSTEP_COMPILE_CACHE"]
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(home, "twinstep", "jax")
+
+
+def use_compile_cache() -> None:
+    """Keep every compiled program in `compile_cache_dir` (before JAX compiles anything): a
+    resumed run, a restart or a repeated tie loads its programs instead of compiling them.
+    Bounded by CACHE_BYTES; JAX writes entries whole and evicts under a file lock, so processes
+    share it. A folder that cannot be made leaves the cache off."""
+    path = compile_cache_dir()
+    if path is None:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # small ones add up
+    jax.config.update("jax_compilation_cache_max_size", CACHE_BYTES)
+
+
 def check_xla_flags() -> None:
     """XLA reads XLA_FLAGS when its backend starts and aborts the process on a flag it does not
     know, with its own log line and no exit status of ours. When XLA_FLAGS is set, a throw-away
