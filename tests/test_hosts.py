@@ -174,3 +174,69 @@ def test_the_tie_holds_across_processes_and_its_control_fails_there(tmp_path):
                             timeout=WAIT_S)
     assert broken.returncode == 1 and "NOT tied" in broken.stdout, broken.stderr
     assert "exited with status 1; stopping the others" in broken.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("hosts")
+def test_a_supervised_run_killed_twice_ends_where_the_uninterrupted_one_does(tmp_path):
+    """`launch --max-restarts 2`: process 1 killed with SIGKILL twice, each time somewhere after
+    a new checkpoint; the launcher restarts both processes each time (a line naming the process
+    and the step resumed, a line of restarts.jsonl) and the run ends bitwise where the same
+    launch without kills ends (f64, the same topology)."""
+    import json
+    import random
+
+    steps = 4
+    argv = [*TRAIN[:TRAIN.index("--steps")], "--steps", str(steps),
+            *TRAIN[TRAIN.index("--steps") + 2:]]
+    whole = tmp_path / "whole"
+    done = subprocess.run(_launch(*argv, "--out", str(whole)), capture_output=True, text=True,
+                          timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr
+    run = tmp_path / "supervised"
+    launch = _launch(*argv, "--out", str(run))
+    proc = subprocess.Popen([*launch[:6], "--max-restarts", "2", *launch[6:]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    chance, deadline, after = random.Random(0), time.monotonic() + WAIT_S, 0
+    for kill in range(2):
+        while True:  # a checkpoint past the last resume, written by these processes
+            saved = [int(n) for n in os.listdir(run / "checkpoints") if n.isdigit()] if (
+                run / "checkpoints").is_dir() else []
+            children = _children(proc.pid)
+            if max(saved, default=0) > after and 1 in children and max(saved) < steps:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        time.sleep(chance.uniform(0, 0.3))
+        os.kill(children[1], signal.SIGKILL)
+        while not (run / "restarts.jsonl").exists() or len(
+                (run / "restarts.jsonl").read_text().splitlines()) <= kill:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        after = json.loads((run / "restarts.jsonl").read_text().splitlines()[-1])["resumed_step"]
+    _, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 0, err
+    restarts = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
+    assert [(r["restart"], r["process"], r["signal"]) for r in restarts] == [
+        (1, 1, "SIGKILL"), (2, 1, "SIGKILL")]
+    for r in restarts:
+        assert f"restart {r['restart']} of 2: process 1 was killed by SIGKILL; resuming from " \
+               f"step {r['resumed_step']}" in err, err
+    a, b = load_state(whole), load_state(run)
+    import jax
+
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert int(b["step"]) == steps and len(leaves_a) == len(leaves_b) > 400
+    assert all(np.array_equal(x, y) for x, y in zip(leaves_a, leaves_b, strict=True))
+
+
+def test_the_supervisor_restarts_up_to_its_limit_then_exits_with_the_failure(monkeypatch, capfd):
+    """A command that fails every time (exit 3: an XLA flag XLA refuses) is started 1 + N times
+    and the launcher exits 3; bad usage (exit 2) is never restarted."""
+    monkeypatch.setenv("XLA_FLAGS", "--this_is_garbage")
+    assert launcher.run(1, ["tie", "mnv4"], max_restarts=2) == 3
+    err = capfd.readouterr().err
+    assert err.count("restart ") == 2 and "restart 2 of 2: process 0 exited with status 3" in err
+    monkeypatch.delenv("XLA_FLAGS")
+    assert launcher.run(1, ["tie", "mnv4", "--classes", "1"], max_restarts=2) == 2
+    assert "restart" not in capfd.readouterr().err

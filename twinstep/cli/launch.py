@@ -16,10 +16,11 @@ def add(p) -> None:
         "Start P processes of a twinstep command on this host, joined into one JAX runtime: "
         "process i runs\nthe command with --coordinator localhost:PORT --num-processes P "
         "--process-id i, its output prefixed\n[i]. The first process to fail stops the others "
-        f"(SIGTERM, SIGKILL after {GRACE_S} s). On several hosts, run\nthe command on each with "
-        "those flags, or under srun (docs/hosts.md).\n\n"
-        "Exit 0 when every process ends with 0, else the failed process's status (3 for a "
-        "signal or a status\noutside the contract); 130 interrupted.\n\n"
+        f"(SIGTERM, SIGKILL after {GRACE_S} s); with --max-restarts N\nall start again, up to "
+        "N times, a train run from its latest checkpoint. On several hosts, run\nthe command "
+        "on each with those flags, or under srun (docs/hosts.md).\n\n"
+        "Exit 0 when every process ends with 0, else the last failed process's status (3 for a "
+        "signal or a\nstatus outside the contract); 130 interrupted.\n\n"
         "example: twinstep launch --local 2 -- train mnv4in_adamdp --data digits --replicas 4 "
         "--out run")
     options.count(p, "--local", None, "processes to start on this host", "P", required=True)
@@ -27,6 +28,12 @@ def add(p) -> None:
                    help="the coordinator's port (default: a free one)")
     options.count(p, "--gpus-per-process", None, "give process i GPUs i*G .. (i+1)*G-1 "
                                                  "(JAX_LOCAL_DEVICE_IDS); default: JAX's", "G")
+    p.add_argument("--max-restarts", type=options.int_in(0, 1001), default=0, metavar="N",
+                   help="when a process fails, stop the others and start all again, up to N "
+                        "times: a train run resumes from its latest checkpoint; each restart is "
+                        "a line here and in RUN_DIR/restarts.jsonl (default 0: stop)")
+    p.add_argument("--restart-delay", type=float, default=0.0, metavar="S",
+                   help="seconds to wait before a restart (default 0)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the twinstep command each process runs (train or tie)")
 
@@ -35,4 +42,7 @@ def run(args, parser) -> int:
     from twinstep.processes import launcher
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    return launcher.run(args.local, cmd, args.port, args.gpus_per_process)
+    if not 0 <= args.restart_delay <= 3600:  # also refuses nan
+        parser.error(f"--restart-delay must be in [0, 3600] s, got {args.restart_delay}")
+    return launcher.run(args.local, cmd, args.port, args.gpus_per_process, args.max_restarts,
+                        args.restart_delay)

@@ -4,12 +4,18 @@ joined into one runtime (`twinstep.processes.cluster`), as ``torchrun --standalo
 Process i runs ``twinstep COMMAND ... --coordinator localhost:PORT --num-processes P
 --process-id i``; its output lines come back prefixed ``[i]``. The first process to fail —
 a non-zero exit, or a signal such as kill -9 — stops the others at once (SIGTERM, then SIGKILL),
-each stop named on stderr, and its status becomes the launcher's: no process is left waiting on
-a collective that can never complete.
+each stop named on stderr: no process is left waiting on a collective that can never complete.
+
+With ``max_restarts`` N the launcher is a supervisor (docs/hosts.md#restarts): after a failure
+it starts all P again, up to N times — a train run resumes from its latest checkpoint, bit for
+bit — and each restart is one line and a line of RUN_DIR/restarts.jsonl. Bad usage (2) and an
+interrupt (130) are never restarted. The launcher's status is 0, or the last failure's.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import signal
 import socket
@@ -23,6 +29,7 @@ from twinstep.errors import UsageError
 GRACE_S = 10  # after SIGTERM, how long a process has before SIGKILL
 POLL_S = 0.1
 KNOWN_STATUS = (1, 2, 3, 4, 130)  # a failed process's status passed on as is (else 3)
+NO_RESTART = (2, 130)  # bad usage fails again the same way; an interrupt is the user's
 COMMANDS = ("train", "tie")  # the commands that run over several processes
 
 
@@ -72,10 +79,29 @@ def _describe(status: int) -> str:
 
 
 def run(processes: int, argv: list[str], port: int | None = None,
-        gpus_per_process: int | None = None) -> int:
-    """Start the processes and wait: 0 when all end with 0, else the first failure's status."""
+        gpus_per_process: int | None = None, max_restarts: int = 0,
+        restart_delay: float = 0.0) -> int:
+    """Start the processes and wait: 0 when all end with 0, else the failure's status — after
+    up to ``max_restarts`` restarts of all of them, ``restart_delay`` s after each failure."""
     if processes < 1:
         raise UsageError(f"--local must be >= 1, got {processes}")
+    commands(processes, argv, 1, gpus_per_process)  # refuse bad usage before starting any
+    for attempt in range(max_restarts + 1):
+        status, failed = _attempt(processes, argv, port, gpus_per_process)
+        if status in (0, *NO_RESTART) or attempt == max_restarts:
+            return status
+        step = resume_step(argv)
+        print(f"twinstep launch: restart {attempt + 1} of {max_restarts}: process {failed[0]} "
+              f"{_describe(failed[1])}" + (f"; resuming from step {step}" if step is not None
+                                          else ""), file=sys.stderr, flush=True)
+        _record_restart(argv, attempt + 1, failed, step)
+        time.sleep(restart_delay)
+    return status
+
+
+def _attempt(processes: int, argv: list[str], port: int | None,
+             gpus_per_process: int | None) -> tuple[int, tuple[int, int] | None]:
+    """One start of all the processes: (the status, the first failure: (process, status))."""
     port = port or free_port()
     lock = threading.Lock()
     procs, threads = [], []
@@ -92,7 +118,7 @@ def run(processes: int, argv: list[str], port: int | None = None,
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
         _stop(procs, None)
-        status = 130
+        failed, status = None, 130
     else:
         status = 0
         if failed is not None:
@@ -103,7 +129,46 @@ def run(processes: int, argv: list[str], port: int | None = None,
             status = code if code in KNOWN_STATUS else 3
     for t in threads:
         t.join(timeout=5)
-    return status
+    return status, failed
+
+
+def run_dir(argv: list[str]) -> str | None:
+    """A train command's RUN_DIR (its --out), None for another command."""
+    if argv[:1] != ["train"]:
+        return None
+    for i, a in enumerate(argv):
+        if a == "--out" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--out="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def resume_step(argv: list[str]) -> int | None:
+    """The step a restarted train run resumes from: its latest whole checkpoint (orbax names
+    a finished one by its step alone), 0 with none; None for another command."""
+    out = run_dir(argv)
+    if out is None:
+        return None
+    where = os.path.join(out, "checkpoints")
+    steps = [int(n) for n in os.listdir(where) if n.isdigit()] if os.path.isdir(where) else []
+    return max(steps, default=0)
+
+
+def _record_restart(argv: list[str], restart: int, failed: tuple[int, int],
+                    step: int | None) -> None:
+    """A line of RUN_DIR/restarts.jsonl (a train run's), appended."""
+    out = run_dir(argv)
+    if out is None or not os.path.isdir(out):
+        return
+    process, code = failed
+    entry = {"time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+             "restart": restart, "process": process,
+             "status": code if code >= 0 else None,
+             "signal": signal.Signals(-code).name if code < 0 and -code in
+             signal.valid_signals() else None, "resumed_step": step}
+    with open(os.path.join(out, "restarts.jsonl"), "a") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 def _wait(procs) -> tuple[int, int] | None:
