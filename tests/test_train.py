@@ -337,3 +337,65 @@ def test_evaluation_sharded_over_the_replicas_is_the_single_devices():
     assert rel(four, one) <= 1e-5
     assert np.array_equal(four.argmax(1), one.argmax(1))
     assert rel(np.roll(four, 2, axis=0), one) > 1e5 * rel(four, one)
+
+
+@pytest.mark.slow
+def test_a_stalled_run_ends_in_one_line_and_a_compile_is_not_a_stall(tmp_path):
+    """The watchdog (--stall-timeout 5): a loader worker frozen (SIGSTOP) mid-run stalls the
+    loop, and the run ends within the limit and a beat (< 20 s) — exit 3, one line naming the
+    last step — leaving neither the worker nor shared memory behind. Before that, the same run
+    is the control: its first step compiles for far over 5 s and the watchdog, armed only after
+    it, lets it be (else the run would end before its third metrics line)."""
+    from twinstep.data import workers
+
+    argv = [sys.executable, "-m", "twinstep.cli", "train", RECIPE, "--data", "digits",
+            "--replicas", "2", "--res", "32", "--steps", "400", "--log-every", "1",
+            "--ckpt-every", "400", "--eval-every", "400", "--workers", "1",
+            "--stall-timeout", "5", *(["--fast-compile"] if "mnv4" in FAST_COMPILE_NETS else [])]
+    proc = subprocess.Popen([*argv, "--out", str(tmp_path / "stalled")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log, deadline = tmp_path / "stalled" / "metrics.jsonl", time.monotonic() + 900
+    while not log.exists() or len(log.read_text().splitlines()) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    worker = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent(pid)
+                  == proc.pid and b"spawn_main" in _cmdline(pid))  # not its resource tracker
+    os.kill(worker, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout=60)
+    finally:  # a frozen worker left alive would hold the stderr pipe open
+        gone = _state(worker) in ("", "Z")  # ended (a zombie until reaped)
+        if not gone:
+            os.kill(worker, signal.SIGKILL)
+    err = proc.stderr.read()
+    assert gone  # the watchdog killed it
+    assert proc.returncode == 3 and err.count("\n") == 1, err
+    assert "no progress for" in err and "(the stall limit, 5 s: --stall-timeout)" in err, err
+    assert time.monotonic() - t0 < 20
+    assert not [n for n in os.listdir("/dev/shm")
+                if n.startswith(f"{workers.BLOCK_PREFIX}{proc.pid}_")]
+
+
+def _parent(pid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""

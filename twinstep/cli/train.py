@@ -79,6 +79,11 @@ def add(p) -> None:
     p.add_argument("--init-from", metavar="FILE", help="start from a timm state dict (.pth, "
                    ".safetensors), e.g. to fine-tune; a classifier of another width is "
                    "initialised afresh")
+    p.add_argument("--stall-timeout", type=float, metavar="S",
+                   help="end the run (exit 3, one line) when it makes no progress for S "
+                        "seconds — a hung collective, a stuck loader —, so that 'launch "
+                        "--max-restarts' restarts it (default: max(10 x the median time "
+                        "between metrics read-backs, 300); docs/training.md#stalls)")
     p.add_argument("--fast-compile", action="store_true",
                    help="compile at XLA -O0: the same numerics, half the compile, a slower "
                         "step (for short runs)")

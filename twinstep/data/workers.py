@@ -14,6 +14,7 @@ error in a worker is re-raised in the parent with the worker's message.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import multiprocessing
 import os
@@ -69,6 +70,21 @@ def stream(make, start: int, stop: int, workers: int, ahead: int):
         _drain(done)
         for path in glob.glob(f"/dev/shm/{prefix}*"):  # a worker stopped while writing one
             os.unlink(path)
+
+
+def abandon() -> None:
+    """What closing every stream would do, for a process about to end from another thread
+    without closing them (`twinstep.training.watchdog`): its workers killed (a stuck one does
+    not stop when asked), their shared memory blocks freed, and multiprocessing's own clean-up
+    run (its queues' semaphores: else its resource tracker warns of them as leaked)."""
+    for p in multiprocessing.active_children():
+        p.kill()
+    for path in glob.glob(f"/dev/shm/{BLOCK_PREFIX}{os.getpid()}_*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    from multiprocessing import util
+
+    util._exit_function()  # what the interpreter's exit runs; os._exit would skip it
 
 
 def _receive(done, procs) -> tuple[int, list]:

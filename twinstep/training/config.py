@@ -56,6 +56,7 @@ class TrainConfig:
     artifact: str | None = None  # a render's NAME.jaxexport to run instead of the Python step
     resume: bool = False  # insist on continuing: refuse a RUN_DIR that holds no run
     fast_compile: bool = False  # dp.FAST_COMPILE: the same numerics, compiled at -O0
+    stall_timeout: float | None = None  # s without progress that end the run; None: watchdog's
 
     def __post_init__(self):
         if self.data != "digits" and not os.path.isdir(self.data):
@@ -64,6 +65,8 @@ class TrainConfig:
         if not 0 <= self.workers <= MAX_WORKERS:
             raise UsageError(f"--workers must be in [0, {MAX_WORKERS}], got {self.workers}")
         loader.check_loader(self.loader, self.data)
+        if self.stall_timeout is not None and not 1 <= self.stall_timeout <= 86400:
+            raise UsageError(f"--stall-timeout must be in [1, 86400] s, got {self.stall_timeout}")
         if self.init_from is not None:
             if not self.init_from.endswith(INIT_FORMATS):
                 raise UsageError(f"--init-from {self.init_from}: a timm state dict "

@@ -26,6 +26,7 @@ from twinstep.training import evaluation, state_dict
 from twinstep.training.checkpoint import Checkpoints
 from twinstep.training.config import TrainConfig, check_run_dir
 from twinstep.training.run_log import RunLog
+from twinstep.training.watchdog import Watchdog
 
 
 class NonFinite(RuntimeError):
@@ -76,7 +77,8 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     last_eval, skipped, pending, t0 = {}, 0, [], time.perf_counter()
     record = {"step": start, "epoch": 0.0, "loss": math.nan, "lr": math.nan, "skipped": 0,
               "img_per_s": 0.0}
-    with _run_log(cfg.out, start) as log, checkpoints, contextlib.closing(stream):
+    dog = Watchdog(cfg.stall_timeout, jax.process_index(), cluster.count())
+    with _run_log(cfg.out, start) as log, checkpoints, contextlib.closing(stream), dog:
         for s, (batch, sk) in zip(range(start, cfg.steps), _ahead(stream, cfg), strict=True):
             done = s + 1
             if sk and not skipped:
@@ -99,6 +101,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
                     raise NonFinite(f"the loss is {loss} at step {at}; the last checkpoint "
                                     f"(step {checkpoints.latest()}) is intact")
             pending.clear()
+            dog.progress(done)  # the devices have caught up: armed from the first step on
             if done == start + 1:
                 t0 = time.perf_counter()  # the first step compiles: img/s from its end
             record |= {"loss": loss, "lr": float(cluster.local_value(m["lr"])),
@@ -107,7 +110,8 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
             if logs:
                 log.train({**record, "skipped": int(cluster.total([skipped])[0])})
             if evals:
-                last_eval = evaluation.evaluate(src, cfg, state, eval_fn)
+                with dog.paused(not last_eval):  # the first evaluation compiles
+                    last_eval = evaluation.evaluate(src, cfg, state, eval_fn)
                 log.eval(done, last_eval)
             if saves:
                 checkpoints.save(done, state)
