@@ -5,7 +5,8 @@ is bench/loader.py's).
 A step of `twinstep train` (data from the loader's background thread, put on the devices a step
 ahead; metrics read back at log, eval and checkpoint steps) against the bare compiled step
 dispatched back to back on a batch already on the devices — the same compiled program, captured
-from the trainer — and against that step with a read-back after each call.
+from the trainer — and against that step with a read-back after each call; and the loop with a
+checkpoint in flight every 2 steps against the loop.
 
     python bench/train.py [--recipe mnv4in_adamdp16] [--replicas 4] [--res 32] [--steps 20]
                           [--repeats 5]
@@ -56,7 +57,7 @@ def loop_overhead(args) -> str:
         return made["eval"]
 
     program.train_program, program.eval_program = train_program, eval_program
-    times: dict = {"loop": [], "bare": [], "read": []}
+    times: dict = {"loop": [], "bare": [], "read": [], "ckpt": []}
     cfg = {"replicas": args.replicas, "res": args.res, "steps": args.steps,
            "eval_every": args.steps, "ckpt_every": args.steps, "log_every": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,6 +66,10 @@ def loop_overhead(args) -> str:
             api.train(args.recipe, out, **cfg)
             with open(os.path.join(out, "metrics.jsonl")) as f:
                 last = [r for r in map(json.loads, f) if "loss" in r][-1]
+            saving = os.path.join(tmp, f"{repeat}-ckpt")  # a checkpoint in flight every 2 steps
+            api.train(args.recipe, saving, **{**cfg, "ckpt_every": 2})
+            with open(os.path.join(saving, "metrics.jsonl")) as f:
+                last_saving = [r for r in map(json.loads, f) if "loss" in r][-1]
             tc = TrainConfig(args.recipe, os.path.join(tmp, "bare"), **cfg)
             prog, recipe = made["train"], tc.parsed_recipe()
             src = loader.source("digits", args.res)
@@ -88,13 +93,16 @@ def loop_overhead(args) -> str:
                 spent["s"] = (time.perf_counter() - t0) / (args.steps - 1)
             if repeat:
                 times["loop"].append(tc.rows * recipe.accum / last["img_per_s"])
+                times["ckpt"].append(tc.rows * recipe.accum / last_saving["img_per_s"])
                 times["bare"].append(bare["s"])
                 times["read"].append(read["s"])
-    lo, ba, rd = (statistics.median(times[k]) for k in ("loop", "bare", "read"))
+    lo, ba, rd, ck = (statistics.median(times[k]) for k in ("loop", "bare", "read", "ckpt"))
     return ("| recipe | R | res | loop ms / step | bare step ms | loop overhead | bare step with "
-            "a read-back each step, ms | its cost |\n|---|---|---|---|---|---|---|---|\n"
+            "a read-back each step, ms | its cost | loop with a checkpoint every 2 steps, ms | "
+            "its cost |\n|---|---|---|---|---|---|---|---|---|---|\n"
             f"| {args.recipe} | {args.replicas} | {args.res}² | {lo * 1e3:.1f} | "
-            f"{ba * 1e3:.1f} | {lo / ba - 1:+.1%} | {rd * 1e3:.1f} | {rd / ba - 1:+.1%} |")
+            f"{ba * 1e3:.1f} | {lo / ba - 1:+.1%} | {rd * 1e3:.1f} | {rd / ba - 1:+.1%} | "
+            f"{ck * 1e3:.1f} | {ck / lo - 1:+.1%} |")
 
 
 def main() -> None:
@@ -112,7 +120,10 @@ def main() -> None:
                   "Loop: `twinstep train`'s ms per step over every step after the first "
                   "(which compiles), from its last train record (img/s, read back at the "
                   "end). Bare: the same compiled step dispatched back to back on one batch "
-                  "on the devices; with a read-back: the loss read after each call. "
+                  "on the devices; with a read-back: the loss read after each call. With a "
+                  "checkpoint every 2 steps: the loop again, its state copied to the host and "
+                  "written by orbax's thread while the next steps run (its cost: against the "
+                  "loop). "
                   "Medians of interleaved repeats.")
 
 

@@ -399,3 +399,24 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
+
+
+def test_checkpoints_keep_the_last_k_and_every_kth_and_a_partial_one_is_not_one(tmp_path):
+    """`--keep 1 --keep-every 2` over steps 1-5 leaves 2, 4 (kept for good) and 5 (the last);
+    a checkpoint whose write was cut short (orbax's temporary folder) is not the latest, for
+    the run nor for the supervisor's resume step. --keep-every off the --ckpt-every grid is
+    refused."""
+    from twinstep.processes import launcher
+    from twinstep.training.checkpoint import Checkpoints
+
+    with Checkpoints(str(tmp_path), keep=1, keep_every=2) as c:
+        for s in range(1, 6):
+            c.save(s, {"w": np.full(3, float(s)), "step": np.int32(s)})
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4", "5"]
+    (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1").mkdir()  # a write killed midway
+    with Checkpoints(str(tmp_path), keep=1) as c:
+        assert c.latest() == 5
+    assert launcher.resume_step(["train", "x", "--out", str(tmp_path)]) == 5
+    assert int(load_state(str(tmp_path))["step"]) == 5
+    with pytest.raises(UsageError, match="--keep-every must be a multiple of --ckpt-every"):
+        TrainConfig(RECIPE, str(tmp_path / "x"), replicas=2, ckpt_every=4, keep_every=6)

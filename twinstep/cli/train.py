@@ -47,9 +47,11 @@ def add(p) -> None:
     for flag, what in (("eval_every", "evaluate on the val split every K steps and at the end"),
                        ("ckpt_every", "checkpoint every K steps and at the end"),
                        ("keep", "keep the last K checkpoints"),
+                       ("keep_every", "also keep every K-th step's checkpoint for good, a "
+                                      "multiple of --ckpt-every"),
                        ("log_every", "a metrics line every K steps")):
         options.count(p, "--" + flag.replace("_", "-"), default[flag],
-                      f"{what} (default {default[flag]})", "K")
+                      f"{what} (default {default[flag] or 'none'})", "K")
     p.add_argument("--precision", choices=PRECISIONS, default=default["precision"],
                    help=f"default {default['precision']}")
     options.seed(p)

@@ -1,10 +1,12 @@
-"""RUN_DIR/checkpoints: orbax's CheckpointManager, holding the last ``keep`` checkpoints.
+"""RUN_DIR/checkpoints: orbax's CheckpointManager, holding the last ``keep`` checkpoints and,
+with ``keep_every`` K, every K-th step's for good (timm's checkpoint history).
 
 A checkpoint is the whole train state once — parameters, global BN running statistics,
 optimizer state, EMA, the step — as one host copy (the replicated tensors read from one
 replica, the optimizer state's slices gathered from all), so it restores onto any number of
 replicas (`twinstep.program.TrainProgram.place`). Every process writes and restores together;
-orbax publishes a checkpoint only once it is whole (docs/training.md#checkpoints).
+orbax writes in a thread of its own while the next steps run, and publishes a checkpoint only
+once it is whole (docs/training.md#checkpoints).
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ FOLDER = "checkpoints"
 class Checkpoints:
     """The checkpoints of one run; a context manager that waits for the last write on exit."""
 
-    def __init__(self, run_dir: str, keep: int):
+    def __init__(self, run_dir: str, keep: int, keep_every: int | None = None):
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
         self.manager = ocp.CheckpointManager(
             os.path.abspath(os.path.join(run_dir, FOLDER)),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep))
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_every,
+                                                 enable_async_checkpointing=True))
 
     def latest(self) -> int | None:
         """The step of the latest whole checkpoint (waiting for one being written)."""

@@ -44,6 +44,7 @@ class TrainConfig:
     eval_every: int = 50
     ckpt_every: int = 50
     keep: int = 2
+    keep_every: int | None = None  # also keep every K-th step's checkpoint for good
     log_every: int = 10
     precision: str = "f32"
     seed: int = 0
@@ -81,6 +82,10 @@ class TrainConfig:
             if getattr(self, field) < 1:
                 raise UsageError(f"--{field.replace('_', '-')} must be >= 1, "
                                  f"got {getattr(self, field)}")
+        if self.keep_every is not None and (self.keep_every < 1
+                                            or self.keep_every % self.ckpt_every):
+            raise UsageError(f"--keep-every must be a multiple of --ckpt-every "
+                             f"({self.ckpt_every}), got {self.keep_every}")
         if self.batch is not None and self.batch < 1:
             raise UsageError(f"--batch must be >= 1, got {self.batch}")
         if not 0 <= self.seed < 2**31:

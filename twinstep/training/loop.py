@@ -56,7 +56,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     prepare = program.prepare_program(src.classes, cfg.precision, cfg.replicas, cfg.fast_compile)
 
     # --- restore: the latest checkpoint, else step 0 (timm's initialisation or --init-from)
-    checkpoints = Checkpoints(cfg.out, cfg.keep)
+    checkpoints = Checkpoints(cfg.out, cfg.keep, cfg.keep_every)
     state = state_dict.initial_state(cfg, net, prog, src.classes)
     if cfg.artifact is not None:
         prog = _render_program(cfg, prog, src.classes)
