@@ -296,7 +296,14 @@ def test_init_from_loads_every_tensor_and_starts_a_classifier_of_another_width_a
 def test_an_artifact_must_match_the_run_it_trains(tmp_path):
     path = tmp_path / "r.jaxexport"
     path.write_bytes(b"")
-    manifest = {"name": RECIPE, "replicas": 2, "batch": 4, "res": 32, "precision": "f32"}
+    from twinstep import recipes
+    from twinstep.rendering.manifest import KEYS
+
+    recipe = recipes.parse(RECIPE)  # a manifest that passes the schema check
+    manifest = {**dict.fromkeys(KEYS), "name": RECIPE, "recipe": recipe.name, "net": recipe.net,
+                "replicas": 2, "batch": 4, "global_batch": 8, "accum": 1, "res": 32,
+                "classes": 10, "precision": "f32", "platform": "cpu", "control": "none",
+                "inputs": [], "outputs": []}
     (tmp_path / "r.json").write_text(json.dumps(manifest))
     TrainConfig(RECIPE, "/tmp/unused", replicas=2, artifact=str(path))  # matches: accepted
     for kw, field in (({"replicas": 1, "recipe": "mnv4in_adam4"}, "recipe"),

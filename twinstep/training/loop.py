@@ -95,12 +95,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
             if not (logs or evals or saves or done == start + 1):
                 say(done, dict(record))
                 continue
-            for at, metrics in pending:
-                loss = float(cluster.local_value(metrics["loss"]))
-                if not math.isfinite(loss):
-                    raise NonFinite(f"the loss is {loss} at step {at}; the last checkpoint "
-                                    f"(step {checkpoints.latest()}) is intact")
-            pending.clear()
+            loss = _read_back(pending, checkpoints)
             dog.progress(done)  # the devices have caught up: armed from the first step on
             if done == start + 1:
                 t0 = time.perf_counter()  # the first step compiles: img/s from its end
@@ -117,6 +112,18 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
                 checkpoints.save(done, state)
             say(done, {**record, **({"eval": last_eval} if last_eval else {})})
         return last_eval or evaluation.evaluate(src, cfg, state, eval_fn)
+
+
+def _read_back(pending: list, checkpoints: Checkpoints) -> float:
+    """The losses of the steps run since the last read-back ([(step, metrics)], emptied), which
+    waits for the devices; NonFinite at the first that is not finite. Returns the last."""
+    for at, metrics in pending:
+        loss = float(cluster.local_value(metrics["loss"]))
+        if not math.isfinite(loss):
+            raise NonFinite(f"the loss is {loss} at step {at}; the last checkpoint (step "
+                            f"{checkpoints.latest()}) is intact")
+    pending.clear()
+    return loss
 
 
 def _ahead(stream, cfg: TrainConfig):
