@@ -147,8 +147,17 @@ def entry() -> None:
 
     signal.signal(signal.SIGINT, _on_interrupt)
     status = main()
-    if status == 130:
+    if status == 130 or (status != 0 and _in_a_runtime()):
+        # an interrupt: no teardown while XLA's threads run. A failure with several processes:
+        # the runtime's shutdown would wait for peers that may be gone (a supervisor waited
+        # its 10 s grace for it, then killed the process)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
     sys.exit(status)
+
+
+def _in_a_runtime() -> bool:
+    """Whether this process joined a multi-process runtime (`twinstep.processes.cluster`)."""
+    cluster = sys.modules.get("twinstep.processes.cluster")
+    return cluster is not None and cluster.count() > 1

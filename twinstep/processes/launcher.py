@@ -28,6 +28,7 @@ from twinstep.errors import UsageError
 
 GRACE_S = 10  # after SIGTERM, how long a process has before SIGKILL
 POLL_S = 0.1
+SETTLE_S = 0.5  # after a failure, how long until the cause is chosen among the failed
 KNOWN_STATUS = (1, 2, 3, 4, 130)  # a failed process's status passed on as is (else 3)
 NO_RESTART = (2, 130)  # bad usage fails again the same way; an interrupt is the user's
 COMMANDS = ("train", "tie")  # the commands that run over several processes
@@ -172,19 +173,27 @@ def _record_restart(argv: list[str], restart: int, failed: tuple[int, int],
 
 
 def _wait(procs) -> tuple[int, int] | None:
-    """Wait until every process ends (None) or one fails: (its number, its status)."""
+    """Wait until every process ends (None) or one fails: (its number, its status). A process
+    killed by a signal is the cause before one that exited with an error: its peers fail
+    within moments of it (their collectives break), so all are looked at again after
+    SETTLE_S."""
     while True:
-        codes = [p.poll() for p in procs]
-        for i, code in enumerate(codes):
-            if code not in (None, 0):
-                return i, code
-        if all(code == 0 for code in codes):
+        if any(p.poll() not in (None, 0) for p in procs):
+            time.sleep(SETTLE_S)
+            failed = [(i, p.poll()) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            return min(failed, key=lambda f: (f[1] >= 0, f[0]))
+        if all(p.poll() == 0 for p in procs):
             return None
         time.sleep(POLL_S)
 
 
 def _stop(procs, dead: int | None) -> None:
     """SIGTERM every process still running, SIGKILL after GRACE_S; each stop named."""
+    if dead is not None:  # the others that failed with it, on their own
+        for i, p in enumerate(procs):
+            if i != dead and p.poll() not in (None, 0):
+                print(f"twinstep launch: process {i} {_describe(p.poll())} too (process {dead} "
+                      f"had failed)", file=sys.stderr, flush=True)
     running = [(i, p) for i, p in enumerate(procs) if p.poll() is None]
     for _, p in running:
         p.terminate()
