@@ -45,7 +45,8 @@ def compile_cache_dir() -> str | None:
 def use_compile_cache() -> None:
     """Keep every compiled program in `compile_cache_dir` (before JAX compiles anything): a
     resumed run, a restart or a repeated tie loads its programs instead of compiling them.
-    Bounded by CACHE_BYTES; JAX writes entries whole and evicts under a file lock, so processes
+    Bounded by CACHE_BYTES; with a bound JAX reads, writes and evicts entries under a file lock
+    (without one it does not lock, and a reader can meet a half-written entry), so processes
     share it. A folder that cannot be made leaves the cache off."""
     path = compile_cache_dir()
     if path is None:
