@@ -178,6 +178,74 @@ def test_the_tie_holds_across_processes_and_its_control_fails_there(tmp_path):
     assert "exited with status 1; stopping the others" in broken.stderr
 
 
+def _rendered(out, name: str, control: str = "none") -> str:
+    """``name``'s step rendered in f64 for R = 4 at 32², K = 10 into ``out``: its NAME.jaxexport."""
+    from twinstep import api
+
+    api.render(name, 4, str(out), res=32, classes=10, precision="f64", control=control)
+    return str(out / f"{name}.jaxexport")
+
+
+@pytest.mark.slow
+def test_a_render_ties_across_processes_and_a_broken_one_fails_there(tmp_path):
+    """`tie --render` under the launcher: the render's R = 4 over 2 processes x 2 devices
+    against the single device (f64, every state tensor after each of two steps); the
+    wrong-divisor render, tied the same way, is NOT tied. (The render's placement and the
+    whole-step tie's across processes, which `tie --recipe` and `train --artifact` share.)"""
+    name = "mnv4in_adamdp1"
+    fast = ["--fast-compile"] if "mnv4" in FAST_COMPILE_NETS else []
+    good = _rendered(tmp_path / "good", name)
+    done = subprocess.run(_launch("tie", "--render", good, "--steps", "2", *fast),
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr
+    assert "[0] tied over 2 steps: 856/856 state tensors" in done.stdout
+    bad = _rendered(tmp_path / "bad", name, "wrong-divisor")
+    broken = subprocess.run(_launch("tie", "--render", bad, "--steps", "1", *fast),
+                            capture_output=True, text=True, timeout=WAIT_S)
+    assert broken.returncode == 1 and "[0] NOT tied" in broken.stdout, broken.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.all
+def test_a_recipe_ties_across_processes_and_its_control_fails_there():
+    """`tie --recipe` under the launcher (R = 4 over 2 processes, f64, two steps of AdamW with
+    EMA, drop-path and dropout): every state tensor within its bound; with the masks
+    replicated — each replica drawing the whole batch's masks — NOT tied."""
+    tie = ["tie", "--recipe", "mnv4in_emaadamdp2wxdropdo", "--replicas", "4", "--batch", "1",
+           "--steps", "2", *(["--fast-compile"] if "mnv4" in FAST_COMPILE_NETS else [])]
+    done = subprocess.run(_launch(*tie), capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr
+    assert "[0] tied over 2 steps: 1243/1243 state tensors" in done.stdout
+    broken = subprocess.run(_launch(*tie, "--control", "replicated-masks"), capture_output=True,
+                            text=True, timeout=WAIT_S)
+    assert broken.returncode == 1 and "[0] NOT tied" in broken.stdout, broken.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.all
+def test_training_with_a_render_over_two_processes_trains_what_one_does(tmp_path):
+    """`train --artifact` (momentum SGD, R = 4, f64, two steps): over 2 processes x 2 devices
+    it ends where one process with 4 devices does, to 1e-10 as the Python step's runs above;
+    the wrong-divisor render trained over the 2 processes ends far from it (the run runs the
+    render it is given)."""
+    from twinstep import api
+
+    name, argv = "mnv4in_momdp2", TRAIN[2:]
+    good, bad = _rendered(tmp_path / "good", name), _rendered(tmp_path / "bad", name,
+                                                              "wrong-divisor")
+    ends = {}
+    for which, render in (("good", good), ("bad", bad)):
+        run = tmp_path / f"two-{which}"
+        done = subprocess.run(_launch("train", name, *argv, "--artifact", render, "--out",
+                                      str(run)), capture_output=True, text=True, timeout=WAIT_S)
+        assert done.returncode == 0, done.stderr
+        ends[which] = load_state(run)
+    api.train(name, str(tmp_path / "one"), data="digits", replicas=4, artifact=good, **COMMON)
+    one = load_state(tmp_path / "one")
+    assert _max_err(ends["good"], one) <= 1e-10
+    assert _max_err(ends["bad"], one) > 1e-3
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("hosts")
 def test_a_supervised_run_killed_twice_ends_where_the_uninterrupted_one_does(tmp_path):

@@ -72,13 +72,6 @@ def devices(replicas: int) -> None:
             f"before any other JAX operation, or set JAX_NUM_CPU_DEVICES={replicas}")
 
 
-def _one_process(what: str) -> None:
-    from twinstep.processes import cluster
-
-    if cluster.count() > 1:
-        raise UsageError(f"{what} runs in one process so far: drop the process flags")
-
-
 def _x64(precision: str):
     """float64 for the call when the check is exact (f64, and bf16's f64 around bf16 convs)."""
     from twinstep.processes import settings
@@ -112,7 +105,6 @@ def tie_steps(recipe: str, steps: int | None = None, progress=None, **config):
 
     net = config.pop("net", None) or parse_recipe(recipe).net
     cfg = TieConfig(net=net, recipe=recipe, **config)
-    _one_process("a tie of whole steps (--recipe)")
     devices(cfg.replicas)
     with _x64(cfg.precision):
         return trajectory.run_steps_tie(cfg, steps=trajectory.STEPS if steps is None else steps,
@@ -156,7 +148,6 @@ def tie_render(path: str, steps: int | None = None, seed: int = 0, shift: bool =
     from twinstep.rendering import reader
     from twinstep.rendering.render import local_platform
 
-    _one_process("a tie of a render")
     on_iree = path.endswith(reader.IREE_SUFFIX)
     if on_iree:
         vmfb, exported, m = reader.load_iree(path)
@@ -198,8 +189,6 @@ def train(recipe: str, out: str, progress=None, warn=None, **config) -> dict:
     from twinstep.training.config import TrainConfig
 
     cfg = TrainConfig(recipe, out, **config)
-    if cfg.artifact is not None:
-        _one_process("training with --artifact")
     disk.check_writable_folder(out, "--out")
     if cfg.loader == "dali":
         from twinstep.data import dali

@@ -13,6 +13,7 @@ import dataclasses
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from twinstep import dp, program, step
 from twinstep.checking import bounds, inputs
@@ -22,7 +23,7 @@ from twinstep.checking.tie import TieConfig
 from twinstep.errors import UsageError
 from twinstep.nets import get_net
 from twinstep.ops.precision import Precision
-from twinstep.processes import settings
+from twinstep.processes import cluster, settings
 
 STEPS = 3  # the default number of optimizer steps
 
@@ -155,7 +156,7 @@ def run_steps_tie(cfg: TieConfig, recipe=None, steps: int = STEPS, net=None, rep
     ref, (nudged, reordered, ours) = state, jax.device_put((state,) * 3, may_alias=False)
     # a render's step takes its state replicated (its manifest's layout)
     ours = python_replica.place(ours) if replica is None else dp.replicate(ours, cfg.replicas)
-    replica = replica or python_replica.step
+    replica = _together(replica or python_replica.step, cfg.replicas)
     del state, params, buffers  # each trajectory holds only its latest state
     order, reverse = np.arange(n), np.arange(n)[::-1]
     report = StepsReport(cfg, [])
@@ -178,11 +179,25 @@ def run_steps_tie(cfg: TieConfig, recipe=None, steps: int = STEPS, net=None, rep
         ours, our_m = replica(ours, xs, ts, key)
         say(f"step {s + 1}/{steps}: comparing every state tensor")
         report.steps.append({"step": s + 1,
-                             "rows": compare_states(ours, ref, (nudged, reordered),
-                                                    bounds.F64_PARAM_BOUND),
-                             "loss": _loss_row(our_m, ref_m, (nudged_m, reordered_m),
-                                               bounds.F64_STAT_BOUND)})
+                             "rows": compare_states(cluster.gathered(ours), ref,
+                                                    (nudged, reordered), bounds.F64_PARAM_BOUND),
+                             "loss": _loss_row(cluster.gathered(our_m), ref_m,
+                                               (nudged_m, reordered_m), bounds.F64_STAT_BOUND)})
     return report
+
+
+def _together(replica, replicas: int):
+    """``replica`` as every process calls it (`twinstep.processes.cluster`; as is in one
+    process): the global batch — the same in every process — laid out by rows first, each
+    process putting its own devices' rows, and the step run once all have compiled it."""
+    if cluster.count() == 1:
+        return replica
+    rows = NamedSharding(dp.mesh(replicas), dp.MICRO_BATCH)
+
+    def run(state, xs, ts, key):
+        return cluster.run_together(replica, state, *cluster.placed((xs, ts), rows), key)
+
+    return run
 
 
 def _loss_row(ours: dict, ref: dict, moved: tuple, floor: float) -> dict:

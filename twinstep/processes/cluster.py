@@ -138,13 +138,16 @@ def global_array(local: np.ndarray, sharding, global_shape: tuple, axis: int = 0
 
 def placed(tree, sharding):
     """``tree`` (the same full value in every process) placed as ``sharding`` (one for every
-    leaf, or a tree of them matching ``tree``): each process puts its own devices' shards."""
+    leaf, or a tree of them matching ``tree``): each process puts its own devices' shards. A
+    leaf already spread over the processes is laid out as ``sharding`` says."""
     if count() == 1:
         return jax.device_put(tree, sharding)
     if isinstance(sharding, jax.sharding.Sharding):
         sharding = jax.tree.map(lambda _: sharding, tree)
 
     def one(a, where):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            return jax.device_put(a, where)  # already global: as is, or laid out anew
         whole = np.asarray(a)
         return jax.make_array_from_callback(whole.shape, where, lambda idx: whole[idx])
 
@@ -229,8 +232,10 @@ def run_together(program, *args):
     """``program(*args)`` (a jitted program over every process's devices): compiled ahead, and
     run once every process has compiled it (`barrier`). A process that compiles slower than
     another — a compilation-cache miss, a slower host — would otherwise leave the other waiting
-    inside the program's first collective, where gloo gives up after 30 s."""
-    if count() == 1:
+    inside the program's first collective, where gloo gives up after 30 s. A step that is not
+    itself one program (a render's, `twinstep.rendering.reader.step`) runs its program this
+    way itself and is called as it is."""
+    if count() == 1 or not hasattr(program, "lower"):
         return program(*args)
     leaves = jax.tree.leaves(args)
     key = (program, jax.tree.structure(args),

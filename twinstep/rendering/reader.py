@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from twinstep import dp
 from twinstep import step as steps
 from twinstep.errors import RenderError, UsageError
+from twinstep.processes import cluster
 from twinstep.rendering import manifest as manifests
 
 SUFFIXES = (".jaxexport", ".vmfb")  # XLA's serialized export; IREE's module
@@ -117,7 +118,9 @@ def step(exported: jax.export.Exported, manifest: dict, fast_compile: bool = Fal
          donate: bool = False):
     """A render's deserialized step as `twinstep.program.train_program`'s step: (state, xs, ts,
     key) -> (state, {"loss", "lr"}), its arguments checked against the manifest's signature
-    (UsageError, one line) and placed on the first R devices as the manifest shards them."""
+    (UsageError, one line) and placed on the first R devices as the manifest shards them —
+    with several processes, on the R devices of every process's share
+    (`twinstep.processes.cluster`), each process placing its own devices' shards."""
     r = manifest["replicas"]
     inputs = manifest["inputs"]
     state_args = tuple(range(len(inputs) - 3))  # all but xs, ts, key
@@ -127,10 +130,9 @@ def step(exported: jax.export.Exported, manifest: dict, fast_compile: bool = Fal
     def place(args):
         if mesh is None:
             return args
-        return [jax.device_put(a, NamedSharding(mesh, P(*i["spec"])))
-                for a, i in zip(args, inputs, strict=True)]
+        return cluster.placed(args, [NamedSharding(mesh, P(*i["spec"])) for i in inputs])
 
-    return _flat_step(inputs, lambda args: call(*place(args)))
+    return _flat_step(inputs, lambda args: cluster.run_together(call, *place(args)))
 
 
 def iree_step(vmfb: bytes, exported: jax.export.Exported, manifest: dict):
