@@ -7,6 +7,7 @@ it, and the run resumes from its last checkpoint; a checkpoint written by two pr
 in one process on another topology at the same global batch and continues the same trajectory;
 the tie holds across processes and its control fails there."""
 
+import contextlib
 import os
 import re
 import shutil
@@ -298,6 +299,40 @@ def test_a_supervised_run_killed_twice_ends_where_the_uninterrupted_one_does(tmp
     leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
     assert int(b["step"]) == steps and len(leaves_a) == len(leaves_b) > 400
     assert all(np.array_equal(x, y) for x, y in zip(leaves_a, leaves_b, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("hosts")
+def test_a_frozen_process_is_named_by_the_watchdog_of_the_other(tmp_path):
+    """Process 1 frozen whole (SIGSTOP) mid-run: process 0 waits in the step's collective, its
+    watchdog (--stall-timeout 5) ends it in one line naming process 1 — behind it, or no
+    longer beating — exit 3, and the launcher kills the frozen one (which would act on SIGTERM
+    only once continued) and exits 3 too."""
+    argv = [*TRAIN[:TRAIN.index("--steps")], "--steps", "400", "--ckpt-every", "400",
+            "--eval-every", "400", "--log-every", "1", "--stall-timeout", "5",
+            *TRAIN[TRAIN.index("--precision"):]]
+    run = tmp_path / "frozen"
+    proc = subprocess.Popen(_launch(*argv, "--out", str(run)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # the processes' lines: stdout
+    log, deadline = run / "metrics.jsonl", time.monotonic() + WAIT_S
+    while not log.exists() or len(log.read_text().splitlines()) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    frozen = _children(proc.pid)[1]
+    os.kill(frozen, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen, signal.SIGKILL)
+    stall = [line for line in out.splitlines() if "no progress for" in line]
+    assert proc.returncode == 3 and len(stall) == 1, out[-2000:] + err
+    assert stall[0].startswith("[0] ") and re.search(
+        r"after step \d+ \(the stall limit, 5 s: --stall-timeout\); process 1 "
+        r"(reported step \d+ last|stopped reporting)$", stall[0]), err
+    assert "process 0 exited with status 3; stopping the others" in err, err
+    assert time.monotonic() - t0 < 20  # the limit, a beat, and the frozen one killed at once
 
 
 def test_the_supervisor_restarts_up_to_its_limit_then_exits_with_the_failure(monkeypatch, capfd):

@@ -187,6 +187,15 @@ def _wait(procs) -> tuple[int, int] | None:
         time.sleep(POLL_S)
 
 
+def _frozen(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a suspended job); False where /proc is not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _stop(procs, dead: int | None) -> None:
     """SIGTERM every process still running, SIGKILL after GRACE_S; each stop named."""
     if dead is not None:  # the others that failed with it, on their own
@@ -196,7 +205,9 @@ def _stop(procs, dead: int | None) -> None:
                       f"had failed)", file=sys.stderr, flush=True)
     running = [(i, p) for i, p in enumerate(procs) if p.poll() is None]
     for _, p in running:
-        p.terminate()
+        # a frozen process (SIGSTOP) would act on SIGTERM only once continued — and then first
+        # report its own stall: it goes at once
+        p.kill() if _frozen(p.pid) else p.terminate()
     deadline = time.monotonic() + GRACE_S
     for i, p in running:
         try:
