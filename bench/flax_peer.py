@@ -414,7 +414,8 @@ def _twinstep_case(net_name: str, classes: int, rows: int, res: int):
 
     net = get_net(net_name)
     shapes = net.param_shapes(classes)
-    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(), jnp.float64)
+    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(), jnp.float64,
+                                linear=net.LINEAR_INIT)
     params = layers.near_init_bn(jax.random.key(1), params, net.branch_end_bns())
     buffers = layers.init_buffers(shapes, jnp.float64)
     kx, ky = jax.random.split(jax.random.key(2))

@@ -47,7 +47,8 @@ def build(net_name: str, batch: int, res: int, classes: int, options: dict | Non
     net = get_net(net_name)
     made = program.train_program(net, recipe, classes, 1, "bf16", donate=True)
     shapes = net.param_shapes(classes)
-    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns())
+    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
+                                linear=net.LINEAR_INIT)
     state = made.init(params, layers.init_buffers(shapes))
     rng = np.random.default_rng(0)
     xs = jnp.asarray(rng.standard_normal((1, batch, res, res, 3)), jnp.float32)

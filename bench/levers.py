@@ -60,7 +60,8 @@ def variants(name: str, res: int, replicas: int, global_batch: int, classes: int
     net = get_net(name)
     recipe = recipes.parse(f"{name}in_adamdp{global_batch // replicas}")
     shapes = net.param_shapes(classes)
-    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns())
+    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
+                                linear=net.LINEAR_INIT)
     rng = np.random.default_rng(0)
     xs = jnp.asarray(rng.standard_normal((1, global_batch, res, res, 3)), jnp.float32)
     ts = jax.nn.one_hot(jnp.asarray(rng.integers(0, classes, (1, global_batch))), classes)

@@ -137,7 +137,8 @@ def peers(name: str, res: int, replicas: int, global_batch: int, classes: int) -
     n = global_batch // replicas
     recipe = recipes.parse(f"{name}in_adamdp{n}")
     shapes = net.param_shapes(classes)
-    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns())
+    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
+                                linear=net.LINEAR_INIT)
     buffers = layers.init_buffers(shapes)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((global_batch, res, res, 3)).astype(np.float32)

@@ -8,7 +8,7 @@ import types
 import pytest
 
 from twinstep import nets
-from twinstep.nets import NETS, Net, get_net, mobilenetv4, resnet50
+from twinstep.nets import NETS, Net, get_net, layers, mobilenetv4, resnet50
 from twinstep.ops import loss
 
 NET_MODULES = list(NETS.values())  # the registry is the list of nets
@@ -103,7 +103,8 @@ def test_near_init_is_timms_start_nudged():
     from twinstep.nets import layers
 
     shapes = resnet50.param_shapes(10)
-    params = layers.near_init_bn(jax.random.key(0), layers.init_params(jax.random.key(1), shapes),
+    params = layers.near_init_bn(jax.random.key(0), layers.init_params(jax.random.key(1), shapes,
+                                                                    linear="fan_in"),
                                  resnet50.branch_end_bns())
     gammas = np.concatenate([np.asarray(params[f"{b}.weight"]) for b in layers.bn_names(shapes)
                              if b not in resnet50.branch_end_bns()])
@@ -112,5 +113,64 @@ def test_near_init_is_timms_start_nudged():
     assert abs(gammas.mean() - 1) < 1e-3 and 0.008 < gammas.std() < 0.012
     assert abs(ends).max() < 0.01 and 0.0008 < ends.std() < 0.0012
     assert abs(betas.mean()) < 1e-3 and 0.008 < betas.std() < 0.012
-    assert np.array_equal(params["conv1.weight"], layers.init_params(jax.random.key(1),
-                                                                    shapes)["conv1.weight"])
+    assert np.array_equal(params["conv1.weight"], layers.init_params(
+        jax.random.key(1), shapes, linear="fan_in")["conv1.weight"])
+
+
+INIT_SEEDS = 3
+INIT_ALPHA = 1e-6  # a tensor differs when the two samples' KS p-value is below this
+INIT_SAMPLE = 20_000  # elements per tensor and side the KS test reads (every k-th)
+
+
+def _init_mismatches(net, linear: str, zero_init: tuple, classes: int = 10) -> list[str]:
+    """The parameters and buffers whose initialisation differs from `timm.create_model`'s over
+    INIT_SEEDS seeds each: a constant of timm's (BN's 1 and 0, a zeroed bias or gamma) must be
+    the same constant here; anything timm draws must be drawn here from the same distribution
+    — family and scale — by a two-sample Kolmogorov-Smirnov test."""
+    import jax
+    import numpy as np
+    from oracle_libs import timm, torch
+    from scipy import stats
+
+    shapes = net.param_shapes(classes)
+    ours, theirs = [], []
+    for seed in range(INIT_SEEDS):
+        ours.append({**layers.init_params(jax.random.key(seed), shapes, zero_init, np.float32,
+                                          linear=linear),
+                     **layers.init_buffers(shapes, np.float32)})
+        torch.manual_seed(seed)
+        model = timm.create_model(net.TIMM_NAME, num_classes=classes)
+        theirs.append({k: v.detach().numpy() for k, v in [*model.named_parameters(),
+                                                          *model.named_buffers()]
+                       if not k.endswith("num_batches_tracked")})
+    assert set(ours[0]) == set(theirs[0])
+    bad = []
+    for name in theirs[0]:
+        a, b = (np.concatenate([np.asarray(d[name]).ravel() for d in side])
+                for side in (ours, theirs))
+        if np.all(b == b[0]):
+            same = bool(np.all(a == b[0]))
+        else:
+            step = max(1, b.size // INIT_SAMPLE)
+            same = not np.all(a == a[0]) and stats.ks_2samp(
+                a[::step], b[::step]).pvalue >= INIT_ALPHA
+        if not same:
+            bad.append(name)
+    return bad
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("net", NET_MODULES, ids=lambda m: m.NAME)
+def test_each_net_starts_as_timm_starts_it_and_the_controls_are_seen(net):
+    """Every parameter and buffer, over three seeds, as timm.create_model initialises it
+    (`_init_mismatches`). The controls, each a tensor-exact set of mismatches: the other
+    linear initialisation flags the classifier (MobileNetV4's weight U(+-1/sqrt(K)) and bias 0
+    against ResNet's U(+-1/sqrt(D)) both), and ResNet-50 without zero_init_last its 16 bn3
+    gammas."""
+    assert _init_mismatches(net, net.LINEAR_INIT, net.zero_init_bns()) == []
+    other = next(k for k in layers.LINEAR_INITS if k != net.LINEAR_INIT)
+    head = list(net.param_shapes(10))[-2:]
+    assert _init_mismatches(net, other, net.zero_init_bns()) == head
+    if net.zero_init_bns():
+        assert _init_mismatches(net, net.LINEAR_INIT, ()) == [
+            f"{b}.weight" for b in net.zero_init_bns()]

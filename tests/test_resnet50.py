@@ -39,7 +39,7 @@ def test_names_order_shapes_match_timm():
 def model_state(seed, dtype=jnp.float64):
     key = jax.random.key(seed)
     shapes = resnet50.param_shapes(K)
-    params = layers.init_params(key, shapes, dtype=dtype)
+    params = layers.init_params(key, shapes, dtype=dtype, linear=resnet50.LINEAR_INIT)
     return layers.randomize_bn(jax.random.fold_in(key, 1), params,
                                layers.init_buffers(shapes, dtype))
 
@@ -123,7 +123,8 @@ def test_init_keeps_the_dtype_under_x64(dtype):
 
     for net in (resnet50, mobilenetv4):
         shapes = net.param_shapes(10)
-        params = layers.init_params(jax.random.key(0), shapes, dtype=dtype)
+        params = layers.init_params(jax.random.key(0), shapes, dtype=dtype,
+                                    linear=net.LINEAR_INIT)
         params, buffers = layers.randomize_bn(jax.random.key(1), params,
                                               layers.init_buffers(shapes, dtype))
         assert {a.dtype for a in (*params.values(), *buffers.values())} == {jnp.dtype(dtype)}
@@ -131,7 +132,8 @@ def test_init_keeps_the_dtype_under_x64(dtype):
 
 def test_zero_init_last_gamma():
     shapes = resnet50.param_shapes(K)
-    params = layers.init_params(jax.random.key(0), shapes, resnet50.zero_init_bns())
+    params = layers.init_params(jax.random.key(0), shapes, resnet50.zero_init_bns(),
+                                linear=resnet50.LINEAR_INIT)
     assert all(float(jnp.abs(params[f"{b}.weight"]).max()) == 0 for b in resnet50.zero_init_bns())
     assert len(resnet50.zero_init_bns()) == 16 and float(params["bn1.weight"][0]) == 1.0
 

@@ -331,7 +331,8 @@ def test_evaluation_sharded_over_the_replicas_is_the_single_devices():
     from twinstep.training import evaluation
 
     shapes = mobilenetv4.param_shapes(10)
-    weights = (layers.init_params(jax.random.key(0), shapes, (), np.float32),
+    weights = (layers.init_params(jax.random.key(0), shapes, (), np.float32,
+                                  linear=mobilenetv4.LINEAR_INIT),
                layers.init_buffers(shapes, np.float32))
     x = digits.split("val", 32)[0][:8]
     logits = program.eval_program(mobilenetv4, "f32", "mnv4" in FAST_COMPILE_NETS)

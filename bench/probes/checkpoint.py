@@ -47,7 +47,8 @@ def main(args) -> None:
     shapes = net.param_shapes(1000)
     made = program.train_program(net, recipe, 1000, args.replicas, args.precision)
     state = made.place(made.init(
-        layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(), dtype),
+        layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(), dtype,
+                           linear=net.LINEAR_INIT),
         layers.init_buffers(shapes, dtype)))
     trees = {"replicated device arrays": lambda: state,
              "one host copy": lambda: jax.tree.map(np.asarray, state)}

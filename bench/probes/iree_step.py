@@ -42,7 +42,8 @@ def inputs(recipe, res: int, precision: str = "f32") -> list:
     """The flat inputs of the render: a fresh train state, one batch, a key."""
     net = get_net(recipe.net)
     shapes = net.param_shapes(CLASSES)
-    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns())
+    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
+                                linear=net.LINEAR_INIT)
     made = program.train_program(net, recipe, CLASSES, 1, precision)
     state = made.init(params, layers.init_buffers(shapes))
     xs, ts = tie_inputs.batch(np.random.default_rng(0), (recipe.accum, recipe.batch), res,

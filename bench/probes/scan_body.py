@@ -36,7 +36,8 @@ CLASSES = 1000
 def programs(name: str, res: int, batch: int) -> dict:
     net = get_net(name)
     shapes = net.param_shapes(CLASSES)
-    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns())
+    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
+                                linear=net.LINEAR_INIT)
     buffers = layers.init_buffers(shapes)
     rng = np.random.default_rng(0)
     key = jax.random.key(1)

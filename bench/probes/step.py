@@ -37,7 +37,7 @@ K = 10
 
 def peers(net, res, batch, depthwise_path=None):
     shapes = net.param_shapes(K)
-    params = layers.init_params(jax.random.key(0), shapes)
+    params = layers.init_params(jax.random.key(0), shapes, linear=net.LINEAR_INIT)
     buffers = layers.init_buffers(shapes)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, res, res, 3)).astype(np.float32)

@@ -51,7 +51,8 @@ def parts(name: str, res: int, batch: int) -> dict:
 
     net = get_net(name)
     shapes = net.param_shapes(CLASSES)
-    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns())
+    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
+                                linear=net.LINEAR_INIT)
     buffers = layers.init_buffers(shapes)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((batch, res, res, 3)), jnp.float32)

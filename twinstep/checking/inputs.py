@@ -47,7 +47,7 @@ def setup(cfg, net):
     prec = tie_precision(cfg.precision)
     key = jax.random.key(cfg.seed)
     shapes = net.param_shapes(cfg.classes)
-    params = layers.init_params(key, shapes, dtype=prec.dtype)
+    params = layers.init_params(key, shapes, dtype=prec.dtype, linear=net.LINEAR_INIT)
     buffers = layers.init_buffers(shapes, prec.dtype)
     if cfg.state == "near-init":
         params = layers.near_init_bn(jax.random.fold_in(key, 1), params, net.branch_end_bns())

@@ -127,7 +127,7 @@ def run_parity(net, res: int = 64, batch: int = 2, precision: str = "f64", loss:
     key = jax.random.key(seed)
     shapes = net.param_shapes(num_classes)
     if params is None:
-        params = layers.init_params(key, shapes, dtype=prec.dtype)
+        params = layers.init_params(key, shapes, dtype=prec.dtype, linear=net.LINEAR_INIT)
         buffers = layers.init_buffers(shapes, prec.dtype)
         params, buffers = layers.randomize_bn(jax.random.fold_in(key, 1), params, buffers)
     rng = np.random.default_rng(seed)

@@ -107,10 +107,21 @@ def update_running(buffers: dict, stats: dict, momentum: float = batchnorm.MOMEN
     return out
 
 
-def init_params(key, param_shapes: dict, zero_init: tuple = (), dtype=jnp.float32) -> dict:
+# How a net's linear layers start (docs/nets.md#initialisation): {name: (the weight's U(+-b)
+# bound from (fan_in, fan_out), whether the bias is drawn from the same U(+-b), else 0)}
+LINEAR_INITS = {
+    # PyTorch's nn.Linear default, which timm's ResNet keeps
+    "fan_in": (lambda fan_in, fan_out: 1.0 / np.sqrt(fan_in), True),
+    # timm's _init_weight_goog (EfficientNet, MobileNetV3 and V4)
+    "fan_out": (lambda fan_in, fan_out: 1.0 / np.sqrt(fan_out), False),
+}
+
+
+def init_params(key, param_shapes: dict, zero_init: tuple = (), dtype=jnp.float32, *,
+                linear: str) -> dict:
     """timm's initialisation: convs He normal (fan_out = Co k k / groups, ReLU gain), BN gamma 1,
-    beta 0 (gamma 0 for the BN prefixes in ``zero_init``), linear layers PyTorch's default
-    uniform(+-1/sqrt(fan_in)).
+    beta 0 (gamma 0 for the BN prefixes in ``zero_init``), linear layers as the net's timm
+    model starts them, ``linear`` a key of `LINEAR_INITS` (a net's ``LINEAR_INIT``).
 
     One normal and one uniform draw cover every tensor and are cut on the host: eager
     ``jax.random`` compiles a program per distinct shape."""
@@ -133,7 +144,10 @@ def init_params(key, param_shapes: dict, zero_init: tuple = (), dtype=jnp.float3
             # a Python float: a NumPy scalar would promote an f32 weight to f64
             out[name] = pieces[name] * float(np.sqrt(2.0 / fan_out))
         elif name in linears:
-            out[name] = pieces[name] * float(1.0 / np.sqrt(param_shapes[prefix + ".weight"][1]))
+            fan_out, fan_in = param_shapes[prefix + ".weight"]
+            bound, bias_drawn = LINEAR_INITS[linear]
+            out[name] = (pieces[name] * float(bound(fan_in, fan_out)) if bias_drawn
+                         or name.endswith(".weight") else np.zeros(shape, dtype))
         elif name.endswith(".weight"):  # BN gamma
             out[name] = (np.zeros if prefix in zero_init else np.ones)(shape, dtype)
         else:  # BN beta

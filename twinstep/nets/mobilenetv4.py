@@ -42,6 +42,7 @@ FEATURES = 1280
 MASKS = ("drop_path", "dropout")  # the keyword masks `forward` takes
 TRAIN_RES = 256  # timm's mobilenetv4_conv_medium.e500_r256_in1k recipe
 DROP_PATH_RATE = 0.075  # that recipe's stochastic depth
+LINEAR_INIT = "fan_out"  # the classifier as timm's _init_weight_goog starts it (layers.py)
 
 # timm's arch_def for 'medium', stages 1-3: one row per arch string
 # ``uir_r{r}_a{a}_k{k}_s{s}_e{e}_c{c}`` (r repeats; a, k the start / middle depthwise kernels,

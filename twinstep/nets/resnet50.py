@@ -28,6 +28,7 @@ STEM_WIDTH = 64
 MASKS = ("drop_path",)  # the keyword masks `forward` takes
 TRAIN_RES = 224  # timm's training resolution for resnet50 (the RSB A1/A2 recipes)
 DROP_PATH_RATE = 0.05  # the RSB recipes' stochastic depth
+LINEAR_INIT = "fan_in"  # fc as timm's ResNet leaves it: PyTorch's default (layers.py)
 
 # timm's resnet50 stages layer1..4: one row per stage (d bottlenecks of output width c, the
 # stage's first block striding by s on its 3x3 and projecting its shortcut).

@@ -234,7 +234,8 @@ def initial_state(cfg, net, prog, classes: int):
     it)."""
     prec = get_precision(cfg.precision)
     shapes = net.param_shapes(classes)
-    params = layers.init_params(jax.random.key(cfg.seed), shapes, net.zero_init_bns(), prec.dtype)
+    params = layers.init_params(jax.random.key(cfg.seed), shapes, net.zero_init_bns(), prec.dtype,
+                               linear=net.LINEAR_INIT)
     buffers = layers.init_buffers(shapes, prec.dtype)
     if cfg.init_from is not None:
         try:
