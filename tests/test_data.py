@@ -42,6 +42,35 @@ def tree(tmp_path):
     return write_folder(str(tmp_path / "data"))
 
 
+def test_on_a_folder_the_defaults_are_the_recipes_and_on_the_digits_small(tree):
+    """rsb-a3 on an image folder trains at 160², evaluates at 224² and runs its 100 epochs with
+    its 5-epoch warmup share; at another --res it evaluates there; a grammar name takes its
+    net's resolution and the smoke length; the digits keep 32² and 200 steps. The summary line
+    says which value came from where."""
+    from twinstep.training.config import TrainConfig
+
+    a3 = TrainConfig("rsb-a3", "/tmp/unused", data=tree)
+    images = loader.train_size(tree)
+    assert (a3.res, a3.eval_res, a3.epochs, a3.batch) == (160, 224, 100, 256)
+    assert a3.steps == -(-100 * images // 256)
+    assert a3.parsed_recipe().warmup_steps == a3.steps * 5 // 100
+    assert a3.summary() == (f"rsb-a3 on {tree}: train 160² (the recipe's), eval 224² (the "
+                            f"recipe's), 100 epochs = {a3.steps} steps (the recipe's), N = 256 "
+                            f"x R = 1")
+    small = TrainConfig("rsb-a3", "/tmp/unused", data=tree, res=128, steps=7, batch=4)
+    assert (small.res, small.eval_res, small.steps) == (128, 128, 7)
+    assert "train 128² (given), eval 128² (the train res), 7 steps (given)" in small.summary()
+    named = TrainConfig("mnv4in_adamdp8", "/tmp/unused", data=tree)
+    assert (named.res, named.eval_res, named.steps, named.epochs) == (256, 256, 200, None)
+    assert named.parsed_recipe().warmup_steps == 20  # a grammar name's tenth
+    digits = TrainConfig("rsb-a3", "/tmp/unused", batch=4)
+    assert (digits.res, digits.eval_res, digits.steps) == (32, 32, 200)
+    assert "train 32² (the digits' default), eval 32² (the train res), 200 steps (the " \
+           "default)" in digits.summary()
+    with pytest.raises(UsageError, match="--eval-res must be a multiple of 32"):
+        TrainConfig("rsb-a3", "/tmp/unused", data=tree, eval_res=100)
+
+
 @pytest.mark.oracle
 def test_the_listing_is_torchvisions_imagefolder(tree):
     from torchvision.datasets import ImageFolder

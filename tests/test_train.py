@@ -80,7 +80,8 @@ def test_digits_split_is_fixed_and_normalised():
 
 def _train(out, data, *extra):
     return [sys.executable, "-m", "twinstep.cli", "train", RECIPE, "--out", str(out),
-            "--data", str(data), "--replicas", "2", "--steps", "6", "--ckpt-every", "2",
+            "--data", str(data), "--replicas", "2", "--res", "32", "--eval-res", "64",
+            "--steps", "6", "--ckpt-every", "2",
             "--eval-every", "6", "--log-every", "1", "--randaugment", "9", "--mixup", "0.2",
             "--cutmix", "1", *(["--fast-compile"] if "mnv4" in FAST_COMPILE_NETS else []),
             *extra]

@@ -180,7 +180,7 @@ def train(recipe: str, out: str, progress=None, warn=None, **config) -> dict:
     """Train recipe ``recipe`` (a name or preset) into RUN_DIR ``out`` with its tied step,
     continuing the run already there; returns the last evaluation ({"raw": {loss, top1, top5},
     "ema": ...}). ``config``: the fields of `twinstep.training.config.TrainConfig` (data —
-    "digits" or an image folder —, replicas, batch, res, steps or epochs, eval_every,
+    "digits" or an image folder —, replicas, batch, res, eval_res, steps or epochs, eval_every,
     ckpt_every, keep, log_every, precision, seed, workers, loader — "pillow" or "dali" —,
     randaugment, mixup, cutmix, init_from, artifact, resume, fast_compile); ``progress(step,
     metrics)`` is told of every step, ``warn(text)`` once of images that do not decode."""

@@ -64,6 +64,7 @@ class Recipe:
     total_steps: int = 100
     warmup_lr: float = 0.0  # lr(0); `twinstep train` uses timm's --warmup-lr (defaults.WARMUP_LR)
     epochs: int | None = None
+    eval_res: int | None = None  # the published evaluation's resolution; None: the train res
     # augmentation (`twinstep train --data DIR`; the embedded digits are not augmented)
     randaugment: int | None = None  # M of timm's rand-m{M}-mstd0.5-inc1; None: off
     mixup: float = 0.0  # mixup's Beta alpha; 0: off
@@ -137,6 +138,12 @@ class Recipe:
     @property
     def train_res(self) -> int:
         return NETS[self.net].TRAIN_RES if self.res is None else self.res
+
+    @property
+    def test_res(self) -> int:
+        """The resolution the recipe's accuracy is measured at (centre crop 0.95 of the
+        resized short side, `twinstep.data.transforms.CROP_PCT`)."""
+        return self.train_res if self.eval_res is None else self.eval_res
 
     @property
     def loss(self) -> str:
@@ -343,7 +350,7 @@ PRESETS: dict[str, Recipe] = {
     "rsb-a2": _preset(300, 2048, net="resnet50", optimizer="lamb", lr=5e-3, weight_decay=0.02,
                       bce=True, bce_threshold=0.2, drop=True, drop_path_rate=0.05,
                       mixup=0.1, cutmix=1.0, randaugment=6, repeated_aug=3),
-    "rsb-a3": _preset(100, 2048, net="resnet50", res=160, optimizer="lamb", lr=8e-3,
+    "rsb-a3": _preset(100, 2048, net="resnet50", res=160, eval_res=224, optimizer="lamb", lr=8e-3,
                       weight_decay=0.02, bce=True,
                       mixup=0.1, cutmix=1.0, randaugment=6),
     "mnv4-conv-m": _preset(500, 4096, net="mnv4", optimizer="adamw", lr=4e-3, weight_decay=0.1,

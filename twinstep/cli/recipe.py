@@ -10,6 +10,7 @@ import sys
 
 from twinstep import recipes
 from twinstep.cli import options
+from twinstep.data.transforms import CROP_PCT
 
 OPTIMIZER_TEXT = {
     "lamb": "LAMB: β 0.9/0.999, ε 1e-6, per-tensor trust ratio",
@@ -43,7 +44,8 @@ def run(args, parser) -> int:
         print(f"twinstep: {e}", file=sys.stderr)
         return 2
     if args.json:
-        d = {"name": r.name, **dataclasses.asdict(r), "train_res": r.train_res, "loss": r.loss,
+        d = {"name": r.name, **dataclasses.asdict(r), "train_res": r.train_res,
+             "test_res": r.test_res, "loss": r.loss,
              "effective_weight_decay": r.effective_weight_decay,
              "effective_label_smoothing": r.effective_label_smoothing}
         if args.replicas is not None:
@@ -75,6 +77,8 @@ def describe(recipe: recipes.Recipe, replicas: int | None = None) -> list[tuple[
         ("net", r.net),
         ("dataset", f"{r.dataset} ({recipes.DATASETS[r.dataset]})"),
         ("res", f"{r.train_res}" + (" (the net's default)" if r.res is None else "")),
+        ("eval_res", f"{r.test_res}" + (" (the train res)" if r.eval_res is None else "")
+         + f", centre crop {CROP_PCT:g}"),
         ("optimizer", f"{r.optimizer} ({OPTIMIZER_TEXT[r.optimizer]})"),
         ("lr", f"{r.lr:g}" + (" (the optimizer's default)"
                                if r.lr == recipes.DEFAULT_LR[r.optimizer] else "")),

@@ -16,7 +16,7 @@ from twinstep.cli import options
 def add(p) -> None:
     from twinstep.data.loader import LOADERS
     from twinstep.ops.precision import NAMES as PRECISIONS
-    from twinstep.training.config import MAX_WORKERS, TrainConfig
+    from twinstep.training.config import DIGITS_RES, MAX_WORKERS, SMOKE_STEPS, TrainConfig
 
     default = options.defaults(TrainConfig)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -37,11 +37,17 @@ def add(p) -> None:
     options.replicas(p, default["replicas"],
                   f"replicas R (default {default['replicas']})", "R")
     options.count(p, "--batch", None, "examples per replica (default: the recipe's N)", "N")
-    options.count(p, "--res", default["res"], f"input resolution (default {default['res']})")
+    options.count(p, "--res", None, f"training resolution (default: {DIGITS_RES} on the "
+                                    f"digits; the recipe's on an image folder)")
+    options.count(p, "--eval-res", None, "evaluation resolution, a centre crop of 0.95 "
+                                         "(default: the recipe's on an image folder at the "
+                                         "recipe's --res, e.g. rsb-a3 trains at 160 and "
+                                         "evaluates at 224; else --res)", "RES")
     length = p.add_mutually_exclusive_group()
-    options.count(length, "--steps", default["steps"],
-                  f"optimizer steps (default {default['steps']}); the warmup is the first "
-                  f"tenth, from timm's warmup lr", "S")
+    options.count(length, "--steps", None,
+                  f"optimizer steps (default: a preset's epochs on an image folder, else "
+                  f"{SMOKE_STEPS}); the warmup takes the recipe's share (a tenth for a "
+                  f"grammar name), from timm's warmup lr", "S")
     options.count(length, "--epochs", None, "passes over the training images instead of "
                                             "--steps (steps = ceil(E x images / (R N k)))", "E")
     for flag, what in (("eval_every", "evaluate on the val split every K steps and at the end"),
@@ -103,6 +109,8 @@ def run(args, parser) -> int:
     cfg = TrainConfig(args.recipe, args.out, **config)  # refuse before JAX starts
     options.join(args, cfg.replicas)
     primary = cluster.is_primary()  # process 0 shows the progress and the result
+    if primary:
+        print(cfg.summary(), flush=True)
     with progress(cfg.steps, quiet=not primary) as update:
         try:
             result = api.train(args.recipe, args.out, progress=update,

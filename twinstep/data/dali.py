@@ -172,9 +172,11 @@ class Dali:
 
     THREADS_ARE_WORKERS = True  # --workers W: DALI's threads, in the loader's own thread
 
-    def __init__(self, splits, res: int, threads: int, device_id: int | None = None):
+    def __init__(self, splits, res: int, threads: int, device_id: int | None = None,
+                 eval_res: int | None = None):
         self.train, self.val = splits
-        self.res, self.threads, self.device_id = res, max(threads, 1), device_id
+        self.res, self.eval_res = res, eval_res or res
+        self.threads, self.device_id = max(threads, 1), device_id
         self.classes = len(self.train.classes)
         self.train_labels, self.val_labels = self.train.labels, self.val.labels
         self._pipes: dict = {}
@@ -191,7 +193,7 @@ class Dali:
                 self._pipes[key] = (
                     _train_pipeline(self.res, randaugment, rows, self.threads, self.device_id)
                     if kind == "train" else
-                    _eval_pipeline(self.res, rows, self.threads, self.device_id))
+                    _eval_pipeline(self.eval_res, rows, self.threads, self.device_id))
         return self._pipes[key]
 
     @staticmethod
@@ -237,15 +239,15 @@ class Dali:
                 np.asarray(skipped, np.int64))
 
     def val_rows(self, idx):
-        """(uint8 [len(idx), S, S, 3], images skipped)."""
+        """(uint8 [len(idx), E, E, 3] at E = eval_res, images skipped)."""
         feeds: dict[str, list] = {"jpegs": [], "width": [], "height": [], "anchor": []}
         skipped = 0
         for i in idx:
             data, (width, height), _, tried = self._readable(self.val, int(i))
             # timm's eval geometry (`transforms.eval_transform`), computed here for DALI
             w, h = transforms.short_side_size(width, height,
-                                              math.floor(self.res / transforms.CROP_PCT))
-            top, left = transforms.center_offsets(w, h, self.res)
+                                              math.floor(self.eval_res / transforms.CROP_PCT))
+            top, left = transforms.center_offsets(w, h, self.eval_res)
             for name, value in (("jpegs", np.frombuffer(data, np.uint8)), ("width", w),
                                 ("height", h), ("anchor", [left, top])):
                 feeds[name].append(np.asarray(value, np.uint8 if name == "jpegs"

@@ -55,12 +55,13 @@ class Batch(NamedTuple):
 
 
 class Digits:
-    """The embedded digits at S x S (normalised already, float32; no augmentation)."""
+    """The embedded digits at S x S, the val split at ``eval_res`` (normalised already,
+    float32; no augmentation)."""
 
-    def __init__(self, res: int):
-        self.res = res
+    def __init__(self, res: int, eval_res: int | None = None):
+        self.res, self.eval_res = res, eval_res or res
         self.train_labels = digits.split("train", res)[1]
-        self.val_labels = digits.split("val", res)[1]
+        self.val_labels = digits.split("val", self.eval_res)[1]
         self.classes = digits.CLASSES
 
     def train_rows(self, idx: np.ndarray, seed: int, step: int, row_ids: np.ndarray,
@@ -71,18 +72,19 @@ class Digits:
         return images[idx], labels[idx], np.zeros(len(idx), np.int64)
 
     def val_rows(self, idx: np.ndarray) -> tuple[np.ndarray, int]:
-        return digits.split("val", self.res)[0][idx], 0
+        return digits.split("val", self.eval_res)[0][idx], 0
 
 
 class Folder:
-    """An ImageFolder tree (`twinstep.data.folder`) through timm's transforms at S x S. An image
-    that does not decode is replaced by the next one of its split (counted, never fatal)."""
+    """An ImageFolder tree (`twinstep.data.folder`) through timm's transforms: train crops at
+    S x S, val crops at ``eval_res`` (default S). An image that does not decode is replaced by
+    the next one of its split (counted, never fatal)."""
 
-    def __init__(self, root: str, res: int):
-        self._open(folder.scan_both(root), res)
+    def __init__(self, root: str, res: int, eval_res: int | None = None):
+        self._open(folder.scan_both(root), res, eval_res)
 
-    def _open(self, splits, res: int) -> None:
-        self.res = res
+    def _open(self, splits, res: int, eval_res: int | None) -> None:
+        self.res, self.eval_res = res, eval_res or res
         self.train, self.val = splits
         self.classes = len(self.train.classes)
         self.train_labels, self.val_labels = self.train.labels, self.val.labels
@@ -109,11 +111,11 @@ class Folder:
         return np.stack(rows), np.asarray(labels, np.int32), np.asarray(skipped, np.int64)
 
     def val_rows(self, idx):
-        """(uint8 [len(idx), S, S, 3], images skipped)."""
+        """(uint8 [len(idx), E, E, 3] at E = eval_res, images skipped)."""
         rows, skipped = [], 0
         for i in idx:
             img, _, tried = self._decoded(self.val, int(i))
-            rows.append(transforms.eval_transform(img, self.res, transforms.CROP_PCT))
+            rows.append(transforms.eval_transform(img, self.eval_res, transforms.CROP_PCT))
             skipped += tried
         return np.stack(rows), skipped
 
@@ -122,8 +124,8 @@ class Packed(Folder):
     """A packed image folder (`twinstep.data.packed`, ``twinstep pack``): its images, read from
     ArrayRecord shards, through the same transforms; every image decodes (checked when packed)."""
 
-    def __init__(self, root: str, res: int):
-        self._open(packed.open_splits(root), res)
+    def __init__(self, root: str, res: int, eval_res: int | None = None):
+        self._open(packed.open_splits(root), res, eval_res)
 
 
 def train_size(data: str) -> int:
@@ -149,19 +151,21 @@ def check_loader(kind: str, data: str) -> None:
             raise UsageError(why)
 
 
-def source(data: str, res: int, kind: str = "pillow", threads: int = 0):
+def source(data: str, res: int, kind: str = "pillow", threads: int = 0,
+           eval_res: int | None = None):
     """``digits``, a packed folder (``twinstep pack``) or an image folder's root, decoded by
     Pillow (in ``threads`` worker processes, `stream`) or by DALI (on ``threads`` threads of
-    its own, and on the GPU when JAX has one: `twinstep.data.dali`)."""
+    its own, and on the GPU when JAX has one: `twinstep.data.dali`); train crops at ``res``,
+    val crops at ``eval_res`` (default ``res``)."""
     check_loader(kind, data)
     if data == "digits":
-        return Digits(res)
+        return Digits(res, eval_res)
     if kind == "dali":
         from twinstep.data import dali
 
         splits = packed.open_splits(data) if packed.is_packed(data) else folder.scan_both(data)
-        return dali.Dali(splits, res, threads, dali.device_id())
-    return Packed(data, res) if packed.is_packed(data) else Folder(data, res)
+        return dali.Dali(splits, res, threads, dali.device_id(), eval_res)
+    return (Packed if packed.is_packed(data) else Folder)(data, res, eval_res)
 
 
 def train_batch(src, augment: Augment, seed: int, step: int, micro: int, rows: int,

@@ -25,6 +25,9 @@ RESUME_FIELDS = ("data", "res", "steps", "precision", "seed", "init_from", "rand
 ARTIFACT_FIELDS = ("recipe", "replicas", "batch", "res", "precision")
 AUGMENT_FIELDS = ("randaugment", "mixup", "cutmix")  # the recipe's, unless given
 MAX_WORKERS = 64
+# the digits' defaults (a smoke run); an image folder takes the recipe's (`TrainConfig.chosen`)
+DIGITS_RES = 32
+SMOKE_STEPS = 200
 INIT_FORMATS = (".safetensors", ".pth", ".pt")
 
 
@@ -38,8 +41,9 @@ class TrainConfig:
     data: str = "digits"  # or an image folder: DIR/train/<class>/..., DIR/val/<class>/...
     replicas: int = 1
     batch: int | None = None  # per replica; None: the recipe's
-    res: int = 32
-    steps: int = 200
+    res: int | None = None  # None: DIGITS_RES on the digits, else the recipe's train res
+    eval_res: int | None = None  # None: res on the digits, else the recipe's eval res
+    steps: int | None = None  # None: the recipe's epochs on a folder (a preset's), else SMOKE_STEPS
     epochs: int | None = None  # given: steps = ceil(epochs x train images / (R N k))
     eval_every: int = 50
     ckpt_every: int = 50
@@ -77,36 +81,76 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise UsageError(f"unknown --precision {self.precision!r}; choose from "
                              f"{', '.join(PRECISIONS)}")
-        for field in ("replicas", "res", "steps", "eval_every", "ckpt_every", "keep",
-                      "log_every"):
-            if getattr(self, field) < 1:
+        for field in ("replicas", "batch", "res", "eval_res", "steps", "epochs", "eval_every",
+                      "ckpt_every", "keep", "log_every"):
+            if getattr(self, field) is not None and getattr(self, field) < 1:
                 raise UsageError(f"--{field.replace('_', '-')} must be >= 1, "
                                  f"got {getattr(self, field)}")
         if self.keep_every is not None and (self.keep_every < 1
                                             or self.keep_every % self.ckpt_every):
             raise UsageError(f"--keep-every must be a multiple of --ckpt-every "
                              f"({self.ckpt_every}), got {self.keep_every}")
-        if self.batch is not None and self.batch < 1:
-            raise UsageError(f"--batch must be >= 1, got {self.batch}")
         if not 0 <= self.seed < 2**31:
             raise UsageError(f"--seed must be >= 0 and < 2^31, got {self.seed}")
+        self._choose_defaults()
         recipe = self.parsed_recipe()
         multiple = get_net(recipe.net).INPUT_MULTIPLE
-        if self.res % multiple:
-            raise UsageError(f"--res must be a multiple of {multiple} for {recipe.net}, "
-                             f"got {self.res}")
+        for field in ("res", "eval_res"):
+            if getattr(self, field) % multiple:
+                raise UsageError(f"--{field.replace('_', '-')} must be a multiple of {multiple} "
+                                 f"for {recipe.net}, got {getattr(self, field)}")
         if recipe.dp != (self.replicas > 1) and self.replicas > 1:
             raise UsageError(f"{self.recipe} has no 'dp' token: it trains on one device; "
                              f"use a dp recipe for --replicas {self.replicas}")
-        object.__setattr__(self, "batch", self.batch or recipe.batch)
         if self.artifact is not None:
             self._check_artifact()
+
+    def _choose_defaults(self) -> None:
+        """Fill in what was not given (docs/training.md#defaults): on the digits their small
+        defaults; on an image folder the recipe's train and eval resolutions — its eval
+        resolution only at its own train resolution — and a preset's epochs; N the recipe's;
+        else SMOKE_STEPS steps. ``chosen``: {field: where its value came from}."""
+        try:
+            r = recipes.parse(self.recipe)
+        except recipes.RecipeError as e:
+            raise UsageError(str(e)) from None
+        recipe_s, train_s = "the recipe's", "the train res"
+        if self.data == "digits":
+            picks = {"res": (DIGITS_RES, "the digits' default"),
+                     "eval_res": (self.res or DIGITS_RES, train_s)}
+        else:
+            picks = {"res": (r.train_res, recipe_s),
+                     "eval_res": (r.test_res, recipe_s) if self.res in (None, r.train_res)
+                     else (self.res, train_s)}
+            if self.steps is None and r.epochs is not None:
+                picks["epochs"] = (r.epochs, recipe_s)
+        picks["batch"] = (r.batch, recipe_s)
+        chosen = {}
+        for field, (value, why) in picks.items():
+            if getattr(self, field) is None:
+                object.__setattr__(self, field, value)
+                chosen[field] = why
         if self.epochs is not None:
-            if self.epochs < 1:
-                raise UsageError(f"--epochs must be >= 1, got {self.epochs}")
-            per_step = self.rows * recipe.accum
+            per_step = self.rows * r.accum
             object.__setattr__(self, "steps", -(-self.epochs * loader.train_size(self.data)
                                                 // per_step))
+        elif self.steps is None:
+            object.__setattr__(self, "steps", SMOKE_STEPS)
+            chosen["steps"] = "the default"
+        object.__setattr__(self, "chosen", chosen)
+
+    def summary(self) -> str:
+        """One line: the resolutions and length this run trains with, and where each came from
+        (given, the recipe's, a default)."""
+        def src(*fields):
+            why = next((self.chosen[f] for f in fields if f in self.chosen), "given")
+            return f" ({why})"
+
+        length = (f"{self.epochs} epochs = {self.steps:,} steps" if self.epochs is not None
+                  else f"{self.steps:,} steps")
+        return (f"{self.recipe} on {self.data}: train {self.res}²{src('res')}, eval "
+                f"{self.eval_res}²{src('eval_res')}, {length}{src('epochs', 'steps')}, "
+                f"N = {self.batch} x R = {self.replicas}")
 
     def _check_artifact(self) -> None:
         """The render's manifest (NAME.json beside it) against this run: a render fixes its
@@ -124,7 +168,8 @@ class TrainConfig:
             if given[field] != getattr(self, field):
                 raise UsageError(f"--artifact {self.artifact} was rendered with {field} = "
                                  f"{given[field]!r}, this run has {getattr(self, field)!r}")
-        if self.randaugment or self.mixup or self.cutmix or self.epochs:
+        if self.randaugment or self.mixup or self.cutmix or (
+                self.epochs and "epochs" not in self.chosen):
             raise UsageError("--artifact runs the render's schedule and the recipe's "
                              "augmentation: drop --epochs, --randaugment, --mixup, --cutmix")
 
@@ -137,8 +182,9 @@ class TrainConfig:
         try:
             r = recipes.parse(self.recipe)
             given = {f: getattr(self, f) for f in AUGMENT_FIELDS if getattr(self, f) is not None}
+            # the recipe's warmup share (a preset's 5 epochs of its length, a name's tenth)
             return dataclasses.replace(r, batch=self.batch or r.batch, total_steps=self.steps,
-                                       warmup_steps=self.steps // 10,
+                                       warmup_steps=self.steps * r.warmup_steps // r.total_steps,
                                        warmup_lr=min(WARMUP_LR, r.lr), **given)
         except recipes.RecipeError as e:
             raise UsageError(str(e)) from None

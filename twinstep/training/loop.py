@@ -42,11 +42,12 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     # RUN_DIR (read by every process before process 0 writes it), the programs
     recipe = cfg.parsed_recipe()
     net = get_net(recipe.net)
-    src = loader.source(cfg.data, cfg.res, cfg.loader, cfg.workers)
+    src = loader.source(cfg.data, cfg.res, cfg.loader, cfg.workers, cfg.eval_res)
     resuming = check_run_dir(cfg)
     cluster.barrier("run-dir-read")
     if cluster.is_primary():
-        config = {**dataclasses.asdict(cfg), "net": recipe.net, "classes": src.classes,
+        config = {**dataclasses.asdict(cfg), "chosen": cfg.chosen, "net": recipe.net,
+                  "classes": src.classes,
                   "train_images": len(src.train_labels), "val_images": len(src.val_labels),
                   "processes": cluster.count(), "resolved_recipe": dataclasses.asdict(recipe)}
         disk.publish({os.path.join(cfg.out, "config.json"): json.dumps(config, indent=1).encode()})
