@@ -126,13 +126,14 @@ def _second_least(values) -> float:
 # ------------------------------------------------------------------------------ bf16
 
 
-def bf16_bound(partials, single):
+def bf16_bound(partials):
     """The bound (docs/tie.md#bf16) on a bf16 weight gradient, elementwise: |(1/R) sum_r
     rnd(S_r) - rnd(S)|, S = (1/R) sum_r S_r, from the replicas' unrounded partials S_r [R, ...]
-    (for R a power of two this is (1/R)|sum_r rnd(S_r) - rnd(sum_r S_r)|) — plus the slack of
-    two f64 sums of the same terms in other orders: 1e-12 |S| everywhere, and one bf16 step
-    where S lies within 1e-12 of a bf16 rounding boundary (there the single device's own S may
-    round the other way)."""
+    (for R a power of two this is (1/R)|sum_r rnd(S_r) - rnd(sum_r S_r)|), plus how far
+    rnd() may move over where the single device's own f64 sum of the same terms lies: within
+    1e-12 |S| of S, and — where the element is a cancellation to (nearly) zero, a structural
+    zero, exactly 0 on one device and rounding noise on the replicas — within the f64 floor of
+    a gradient, F64_PARAM_BOUND times the tensor's norm; plus 1e-12 |S| everywhere."""
     p = np.asarray(partials, np.float64)
 
     def rnd(v):  # as the programs round (ops.precision.round_to: through f32)
@@ -140,9 +141,9 @@ def bf16_bound(partials, single):
 
     s = p.mean(0)
     error = np.abs(rnd(p).mean(0) - rnd(s))
-    boundary = rnd(s * (1 + 1e-12)) != rnd(s * (1 - 1e-12))
-    step = np.abs(rnd(s * (1 + 2.0 ** -7)) - rnd(s))  # one bf16 step at |S|
-    return error + 1e-12 * np.abs(s) + np.where(boundary, step, 0.0)
+    spread = 1e-12 * np.abs(s) + F64_PARAM_BOUND * np.linalg.norm(s)
+    reach = np.maximum(np.abs(rnd(s + spread) - rnd(s)), np.abs(rnd(s - spread) - rnd(s)))
+    return error + 1e-12 * np.abs(s) + reach
 
 
 # --------------------------------------------------------------------------- verdicts

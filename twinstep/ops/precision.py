@@ -68,7 +68,7 @@ def round_to(x, dtype):
     (1 + 2^-8 + 2^-30 -> 1.0, where a single rounding gives 1 + 2^-7), elsewhere it can round
     once.
     The two steps, each a correctly rounded conversion, give the same bits on every CPU — and
-    the same bits as the tie's bound computes (`twinstep.checking.tie.bf16_bound`)."""
+    the same bits as the tie's bound computes (`twinstep.checking.bounds.bf16_bound`)."""
     if x.dtype == jnp.float64 and dtype == jnp.bfloat16:
         x = x.astype(jnp.float32)
     return x.astype(dtype)

@@ -1,0 +1,87 @@
+"""The bf16 tie across R x N for both nets (and 64² at R = 2), with the subtle controls: every
+tie must hold (no false alarm) and every control must fail. Not a speed benchmark: the table is
+the evidence behind docs/tie.md#bf16 and rewrites the section "bf16 tie sweep" of
+bench/RESULTS.md. Each R runs in its own process (exactly R virtual devices); `make test-all`
+holds the same matrix (tests/test_tie.py::test_bf16_sweep, ::test_bf16_controls_fail).
+
+  worst conv   the largest ratio, over the conv weight gradients, of the error's norm to the
+               bf16 bound's norm (docs/tie.md#bf16): near 1 the programs differ by the
+               partial-sum boundary itself, as they must
+
+    python bench/bf16_sweep.py [--replicas 2 4 8] [--batches 1 2 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, write_results  # noqa: E402
+
+NETS = ("resnet50", "mnv4")
+CONTROLS = ("divisor-plus-one", "unsynced")
+
+
+def _one_r(replicas: int, cases: list) -> list:
+    """Run ``cases`` [(net, N, res, control)] at R = ``replicas`` in this process."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", replicas)
+    import twinstep
+
+    rows = []
+    for net, batch, res, control in cases:
+        r = twinstep.tie(net, replicas=replicas, batch=batch, res=res, precision="bf16",
+                         control=control, fast_compile=net == "mnv4")
+        convs = [p for p in r.parameters if len(p["shape"]) == 4]
+        rows.append({"net": net, "R": replicas, "N": batch, "res": res, "control": control,
+                     "status": r.status, "ok": sum(p["ok"] for p in r.parameters),
+                     "tensors": len(r.parameters),
+                     "worst": max(p["rel_err"] / p["bound"] for p in convs)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: one R
+    args = p.parse_args()
+    if args.one is not None:
+        cases = [(net, n, 32, "none") for net in NETS for n in args.batches]
+        if args.one == 2:
+            cases += [(net, 2, 64, "none") for net in NETS]
+            cases += [(net, 2, 32, c) for net in NETS for c in CONTROLS]
+        _one_r(args.one, cases)
+        return
+    rows = []
+    for replicas in args.replicas:
+        out = subprocess.run([sys.executable, __file__, "--one", str(replicas), "--batches",
+                              *map(str, args.batches)], capture_output=True, text=True,
+                             check=True).stdout
+        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    lines = ["| net | R | N | res | control | verdict | tensors within | worst conv |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['net']} | {r['R']} | {r['N']} | {r['res']}² | {r['control']} | "
+                     f"**{r['status']}** | {r['ok']}/{r['tensors']} | {r['worst']:.2f} |")
+    ties = [r for r in rows if r["control"] == "none"]
+    controls = [r for r in rows if r["control"] != "none"]
+    write_results(RESULTS, "bf16 tie sweep",
+                  "`twinstep tie NET --precision bf16` (random-bn state, seed 0, K = 10) for "
+                  "both nets across R and N, and the subtle controls at R = 2, N = 2.",
+                  "python bench/bf16_sweep.py " + " ".join(sys.argv[1:]), "\n".join(lines),
+                  f"{sum(r['status'] == 'tied' for r in ties)} of {len(ties)} ties hold; "
+                  f"{sum(r['status'] == 'NOT tied' for r in controls)} of {len(controls)} "
+                  f"controls fail. worst conv: the largest ratio of a conv weight gradient's "
+                  f"error norm to its bf16 bound's norm.")
+
+
+if __name__ == "__main__":
+    main()
