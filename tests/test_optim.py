@@ -264,21 +264,43 @@ def test_unknown_kind():
 # ----------------------------------------------------------------------------------- the schedule
 
 
-def test_lr_schedule_closed_form():
-    peak, w, t, init, end = 8e-3, 5, 20, 1e-5, 1e-6
-    sched = optim.lr_schedule(peak, w, t, init, end)
-    for s in range(t + 5):
-        if s < w:
-            want = init + (peak - init) * s / w
-        else:
-            want = end + (peak - end) * 0.5 * (1 + math.cos(math.pi * min(s - w, t - w) / (t - w)))
-        assert float(sched(s)) == pytest.approx(want, rel=1e-14, abs=1e-18)
-    assert float(sched(0)) == pytest.approx(init, rel=1e-12)  # optax: (init − peak)·1 + peak
-    assert float(sched(w)) == pytest.approx(peak, rel=1e-15)
-    assert float(sched(t)) == pytest.approx(end, rel=1e-12) and float(sched(10 * t)) == sched(t)
-    assert float(optim.lr_schedule(peak, 0, t)(0)) == pytest.approx(peak, rel=1e-15)
+@pytest.mark.parametrize("warmup, total, init", [(5, 20, 1e-5), (2, 20, 0.0), (0, 7, 0.0),
+                                                  (10, 11, 1e-5)])
+def test_lr_schedule_is_timms_per_update(warmup, total, init):
+    """lr(s) for every optimizer step s against timm's own scheduler as train.py builds it with
+    --sched-on-updates (create_scheduler_v2, cosine, step_update after each update), past the
+    end; and the controls it must tell apart: stepped per epoch (5 updates an epoch), and the
+    warmup started from 0 instead of warmup_lr."""
+    from timm.scheduler import create_scheduler_v2
+
+    peak, end = 8e-3, 0.0
+    ours = jax.jit(optim.lr_schedule(peak, warmup, total, init, end))
+
+    def timm_lrs(per_epoch: bool = False, warmup_lr: float = init) -> list[float]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+        upe = 5 if per_epoch else 1
+        sched, _ = create_scheduler_v2(opt, "cosine", num_epochs=total // upe,
+                                       warmup_epochs=warmup // upe, warmup_lr=warmup_lr,
+                                       min_lr=end, step_on_epochs=per_epoch,
+                                       updates_per_epoch=upe)
+        out = []
+        for s in range(total + 3):
+            out.append(opt.param_groups[0]["lr"])
+            if per_epoch and (s + 1) % upe == 0:
+                sched.step((s + 1) // upe)
+            elif not per_epoch:
+                sched.step_update(num_updates=s + 1)
+        return out
+
+    want = timm_lrs()
+    got = [float(ours(s)) for s in range(total + 3)]
+    assert got == pytest.approx(want, rel=1e-14, abs=1e-18)
+    if total >= 10 and warmup % 5 == 0:
+        assert got != pytest.approx(timm_lrs(per_epoch=True), rel=1e-6)
+    if init > 0:
+        assert got != pytest.approx(timm_lrs(warmup_lr=0.0), rel=1e-6)
     with pytest.raises(ValueError):
-        optim.lr_schedule(peak, t, t)
+        optim.lr_schedule(peak, total, total)
 
 
 def test_first_step_uses_lr_at_zero():

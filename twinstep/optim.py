@@ -54,23 +54,20 @@ def decay_mask(params: dict, wx: bool) -> dict[str, bool]:
 def lr_schedule(peak_lr: float, warmup_steps: int, total_steps: int, warmup_init: float = 0.0,
                 end_lr: float = 0.0) -> optax.Schedule:
     """Linear warmup then cosine, indexed by the optimizer step s = 0, 1, … (optax's count: the
-    first update uses s = 0).
+    first update uses s = 0) — timm's CosineLRScheduler stepped per update (``step_update``,
+    warmup_prefix=False, one cycle) (docs/recipes.md#learning-rate-schedule):
 
     lr(s) = warmup_init + (peak_lr − warmup_init) s / W                      for s < W
-    lr(s) = end_lr + (peak_lr − end_lr) ½ (1 + cos(π (s − W) / (T − W)))     for W <= s <= T
+    lr(s) = end_lr + (peak_lr − end_lr) ½ (1 + cos(π s / T))                for W <= s < T
     lr(s) = end_lr                                                            for s >= T
-    with W = warmup_steps, T = total_steps: lr(0) = warmup_init (lr(0) = peak_lr when W = 0),
-    lr(W) = peak_lr, and the last step of a T-step run (s = T − 1) takes
-    end_lr + (peak_lr − end_lr) ½ (1 − cos(π / (T − W))), just above end_lr.
+    with W = warmup_steps, T = total_steps: lr(0) = warmup_init (lr(0) = peak_lr when W = 0);
+    the cosine runs over [0, T] under the warmup, so lr(W) is just below peak_lr.
 
     Evaluated in the canonical float dtype (f64 under ``jax_enable_x64``, as the exact checks
     run). optax's own warmup_cosine_decay_schedule evaluates in f32 even then, and two compiled
     programs (replica, single device) round it differently by an ulp or two, which every f64
     Adam-type update carries uniformly, far above the tie's bound (bench/history/
     2026-12-03.md, "measurements behind the design").
-
-    Unlike timm's CosineLRScheduler (warmup_prefix=False), the cosine starts at the end of the
-    warmup rather than running over [0, T] from s = 0, so lr(W) is exactly peak_lr.
     """
     if not 0 <= warmup_steps < total_steps:
         raise ValueError(f"need 0 <= warmup_steps < total_steps, got {warmup_steps}, {total_steps}")
@@ -78,9 +75,8 @@ def lr_schedule(peak_lr: float, warmup_steps: int, total_steps: int, warmup_init
     def schedule(count):
         s = jnp.asarray(count, jnp.result_type(float))
         warm = warmup_init + (peak_lr - warmup_init) * s / max(warmup_steps, 1)
-        frac = jnp.clip((s - warmup_steps) / (total_steps - warmup_steps), 0.0, 1.0)
-        cosine = end_lr + (peak_lr - end_lr) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
-        return jnp.where(s < warmup_steps, warm, cosine)
+        cosine = end_lr + (peak_lr - end_lr) * 0.5 * (1.0 + jnp.cos(jnp.pi * s / total_steps))
+        return jnp.where(s < warmup_steps, warm, jnp.where(s < total_steps, cosine, end_lr))
 
     return schedule
 
