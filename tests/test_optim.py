@@ -75,14 +75,14 @@ def _global_norm(g: dict) -> float:
 
 
 def _torch(kind, wx, clip, params, grads, dtype):
-    """The oracle: timm / torch optimizers, parameter groups as timm's create_optimizer builds them.
-    For adamw / momentum / sgd the clip is timm Lamb's g / max(‖g‖, 1), applied to p.grad."""
+    """The oracle: timm / torch optimizers, parameter groups as timm's create_optimizer builds them,
+    the clip as timm's train.py --clip-grad 1.0 applies it (clip_grad_norm_, before the step);
+    timm's Lamb clips inside as well (max_grad_norm=1.0, its default)."""
     model = _model(params, dtype)
     named = dict(model.named_parameters())
     groups = timm.optim.param_groups_weight_decay(model, WD) if wx else model.parameters()
     if kind == "lamb":
-        opt = timm.optim.Lamb(groups, lr=LR[kind], weight_decay=WD,
-                              max_grad_norm=1.0 if clip else None)
+        opt = timm.optim.Lamb(groups, lr=LR[kind], weight_decay=WD, max_grad_norm=1.0)
     elif kind == "adamw":
         opt = torch.optim.AdamW(groups, lr=LR[kind], betas=(0.9, 0.999), eps=1e-8, weight_decay=WD)
     else:
@@ -92,10 +92,8 @@ def _torch(kind, wx, clip, params, grads, dtype):
     for g in grads:
         for n, p in named.items():
             p.grad = torch.from_numpy(g[n].astype(dtype))
-        if clip and kind != "lamb":
-            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in named.values()]))
-            for p in named.values():
-                p.grad.div_(norm.clamp(min=1.0))
+        if clip:
+            torch.nn.utils.clip_grad_norm_(named.values(), 1.0)
         opt.step()
         out.append({n: p.detach().numpy().copy() for n, p in named.items()})
     return out
@@ -161,9 +159,10 @@ def _wrong(name, params):
     if name == "lamb clip per tensor":
         return ("lamb", False, True), optax.chain(
             _per_tensor_clip(), optim.make_optimizer("lamb", LR["lamb"], WD, False, False, params))
-    if name == "lamb without its clip":
-        return ("lamb", True, True), optim.make_optimizer("lamb", LR["lamb"], WD, True, False,
-                                                          params)
+    if name == "lamb without any clip":
+        return ("lamb", True, True), optax.chain(
+            optax.scale_by_adam(eps=1e-6), optax.add_decayed_weights(WD, mask),
+            optax.masked(optax.scale_by_trust_ratio(), mask), lr(LR["lamb"]))
     if name == "adamw coupled decay":
         return ("adamw", True, False), optax.chain(
             optax.add_decayed_weights(WD, mask), optax.scale_by_adam(eps=1e-8), lr(LR["adamw"]))
@@ -182,7 +181,7 @@ def _wrong(name, params):
     raise KeyError(name)
 
 
-WRONG = ["lamb trust ratio on 1-D under wx", "lamb clip per tensor", "lamb without its clip",
+WRONG = ["lamb trust ratio on 1-D under wx", "lamb clip per tensor", "lamb without any clip",
          "adamw coupled decay", "adamw decay on 1-D", "momentum as nesterov", "sgd as heavy-ball",
          "momentum decoupled decay"]
 
@@ -197,9 +196,10 @@ def test_controls_break_parity(name, rng):
     assert e3 > 100 * BOUND[np.float32]
 
 
-def test_clip_is_timm_global_norm(rng):
-    """optax's global norm is timm Lamb's (over every tensor of every group); the clipped gradient
-    has norm 1; torch's clip_grad_norm_ (timm's train-loop clip) differs by its 1e-6."""
+def test_the_clips_are_timms(rng):
+    """A recipe's clip is torch's clip_grad_norm_ (timm's train.py --clip-grad 1.0), element for
+    element; LAMB's own clip divides by timm Lamb's max(‖g‖, 1), its norm over every tensor of
+    every group. The two differ by 1e-6/‖g‖, which this comparison resolves (the control)."""
     params, grads = _problem(rng)
     g = grads[0]
     model = _model(params, np.float64)
@@ -210,13 +210,15 @@ def test_clip_is_timm_global_norm(rng):
     theirs = float(lamb._get_clip_grad_norm())  # max(‖g‖, 1), the divisor
     ours = float(optax.tree.norm({n: jnp.asarray(v) for n, v in g.items()}))
     assert ours > 10 and abs(ours - theirs) <= 1e-14 * theirs
-    clipped, _ = optax.clip_by_global_norm(1.0).update({n: jnp.asarray(v) for n, v in g.items()},
-                                                       optax.EmptyState())
-    assert abs(float(optax.tree.norm(clipped)) - 1.0) <= 1e-14
+    jg = {n: jnp.asarray(v) for n, v in g.items()}
+    lambs, _ = optax.clip_by_global_norm(1.0).update(jg, optax.EmptyState())
+    assert abs(float(optax.tree.norm(lambs)) - 1.0) <= 1e-14
+    recipes, _ = optim.clip_grad_norm(1.0).update(jg, optax.EmptyState())
     torch.nn.utils.clip_grad_norm_(named.values(), 1.0)
-    gap = _err({n: np.asarray(v) for n, v in clipped.items()},
-               {n: p.grad.numpy() for n, p in named.items()})
-    assert gap == pytest.approx(1e-6 / ours, rel=1e-3)
+    torch_clipped = {n: p.grad.numpy() for n, p in named.items()}
+    assert _err({n: np.asarray(v) for n, v in recipes.items()}, torch_clipped) <= 1e-14
+    assert _err({n: np.asarray(v) for n, v in lambs.items()}, torch_clipped) == pytest.approx(
+        1e-6 / ours, rel=1e-3)
 
 
 # ---------------------------------------------------------------------------- masks, jit, export
@@ -253,7 +255,7 @@ def test_jit_shard_map_export(rng):
     for got in (jax.jit(step)(p, state, g), mapped(p, state, g),
                 jax.tree.unflatten(jax.tree.structure(want), exported.call(*leaves))):
         assert _err(jax.tree.map(np.asarray, got[0]), jax.tree.map(np.asarray, want[0])) <= 1e-14
-        assert int(got[1][1].count) == 1  # scale_by_adam's count
+        assert int(got[1][2].count) == 1  # scale_by_adam's count, after the two clips
 
 
 def test_unknown_kind():

@@ -4,14 +4,16 @@ update, and the LR.
 Parameters, gradients and updates are flat dicts {timm name: array}; every optimizer is one
 ``optax.chain`` of optax's own transforms:
 
-  kind      timm / torch                       chain (after the optional global-norm clip)
-  lamb      timm Lamb (β .9/.999, ε 1e-6)      scale_by_adam, add_decayed_weights(mask),
+  kind      timm / torch                       chain (after the recipe's optional clip)
+  lamb      timm Lamb (β .9/.999, ε 1e-6)      clip_by_global_norm(1), scale_by_adam,
+                                               add_decayed_weights(mask),
                                                masked(scale_by_trust_ratio, adapt), lr
   adamw     torch AdamW (β .9/.999, ε 1e-8)    scale_by_adam, add_decayed_weights(mask), lr
   momentum  torch SGD(momentum=.9)             add_decayed_weights(mask), trace(.9), lr
   sgd       torch SGD(momentum=.9, nesterov)   add_decayed_weights(mask), trace(.9, nesterov), lr
 
-No custom transform was needed; where optax and timm could part, the composition decides:
+One transform is written here (`clip_grad_norm`, torch's clip); elsewhere, where optax and timm
+could part, the composition decides:
 - timm's LAMB adapts (trust ratio ‖θ‖/‖r‖, 1 if either norm is 0) only the tensors whose group has
   weight decay != 0 (``always_adapt=False``): with wx the 1-D tensors skip both the decay and the
   trust ratio, and with weight_decay = 0 no tensor is adapted. optax.lamb would adapt every tensor,
@@ -20,10 +22,11 @@ No custom transform was needed; where optax and timm could part, the composition
   is add_decayed_weights between the Adam scaling and the trust ratio.
 - AdamW's decoupled θ ← θ(1 − lr wd) − lr m̂/(√v̂+ε) is the same as adding wd θ to the Adam
   direction before the lr; SGD's coupled decay is the same transform placed before the momentum.
-- timm's LAMB clips inside the optimizer: g / max(‖g‖₂, 1), ‖g‖₂ over ALL tensors of all groups.
-  optax.clip_by_global_norm(1.0) is that exactly (g / ‖g‖ · 1 when ‖g‖ ≥ 1). For the other kinds
-  timm's train loop calls torch.nn.utils.clip_grad_norm_, whose factor is 1 / (‖g‖ + 1e-6): a
-  relative difference of 1e-6 / ‖g‖ in the clipped gradient, which we do not reproduce.
+- timm's LAMB clips inside the optimizer (max_grad_norm=1.0, its default): g / max(‖g‖₂, 1),
+  ‖g‖₂ over ALL tensors of all groups; optax.clip_by_global_norm(1.0) is that exactly. A
+  recipe's ``clip`` is timm's train.py --clip-grad 1.0 (mode norm), which calls
+  torch.nn.utils.clip_grad_norm_ before the optimizer: g · min(1, 1 / (‖g‖ + 1e-6)), not
+  optax's factor (`clip_grad_norm`).
 - torch SGD's momentum buffer starts as the first gradient; optax.trace starts at zero and adds
   the gradient, the same thing.
 """
@@ -81,25 +84,37 @@ def lr_schedule(peak_lr: float, warmup_steps: int, total_steps: int, warmup_init
     return schedule
 
 
+def clip_grad_norm(max_norm: float = CLIP_NORM) -> optax.GradientTransformation:
+    """torch.nn.utils.clip_grad_norm_ (timm's train.py --clip-grad, mode norm): every gradient
+    times min(1, max_norm / (‖g‖ + 1e-6)), ‖g‖ over all tensors."""
+    def update(updates, state, params=None):
+        del params
+        factor = jnp.minimum(1.0, max_norm / (optax.tree.norm(updates) + 1e-6))
+        return {n: g * factor.astype(g.dtype) for n, g in updates.items()}, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(kind: str, learning_rate, weight_decay: float, wx: bool, clip: bool,
                    params: dict) -> optax.GradientTransformation:
     """The optimizer ``kind`` (one of KINDS) with timm's / torch's semantics (module docstring).
 
     learning_rate: a float or an optax schedule of the optimizer step. weight_decay: L2 for
     lamb, momentum and sgd (added to the gradient / Adam direction), decoupled for adamw. wx:
-    exclude 1-D tensors from the decay (and, for lamb, from the trust ratio). clip: clip the
-    global gradient norm at 1.0 first. params: only their names and shapes are read (arrays or
-    ShapeDtypeStructs).
+    exclude 1-D tensors from the decay (and, for lamb, from the trust ratio). clip: torch's
+    clip_grad_norm_ at 1.0 first (`clip_grad_norm`; LAMB clips inside too, as timm's Lamb).
+    params: only their names and shapes are read (arrays or ShapeDtypeStructs).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
     mask = decay_mask(params, wx)
     decay = [optax.add_decayed_weights(weight_decay, mask)] if weight_decay else []
-    chain = [optax.clip_by_global_norm(CLIP_NORM)] if clip else []
+    chain = [clip_grad_norm(CLIP_NORM)] if clip else []
     if kind == "lamb":
         # timm adapts a tensor iff its group's weight decay is non-zero (always_adapt=False)
         adapt = mask if weight_decay else {n: False for n in mask}
-        chain += [optax.scale_by_adam(*BETAS, eps=EPS[kind]), *decay]
+        chain += [optax.clip_by_global_norm(CLIP_NORM),  # Lamb's own, max_grad_norm=1.0
+                  optax.scale_by_adam(*BETAS, eps=EPS[kind]), *decay]
         if any(adapt.values()):
             chain.append(optax.masked(optax.scale_by_trust_ratio(), adapt))
     elif kind == "adamw":
@@ -117,11 +132,8 @@ def recipe_schedule(recipe) -> optax.Schedule:
 
 def for_recipe(recipe, params: dict) -> optax.GradientTransformation:
     """A recipe's clip + optimizer at its schedule (`twinstep.recipes.Recipe`'s fields)."""
-    # timm's Lamb clips the global norm at 1.0 by default (max_grad_norm=1.0): a LAMB recipe
-    # clips with or without the `clip` token
-    clip = recipe.clip or recipe.optimizer == "lamb"
     return make_optimizer(recipe.optimizer, recipe_schedule(recipe),
-                          recipe.effective_weight_decay, recipe.wx, clip, params)
+                          recipe.effective_weight_decay, recipe.wx, recipe.clip, params)
 
 
 def apply(opt: optax.GradientTransformation, grads: dict, opt_state, params: dict):

@@ -7,7 +7,7 @@ batch, every parameter gradient element all-reduced by its mean exactly once (in
 `Replicas.grad_mean`), and the reported loss the mean of the replicas' losses.
 
 `train_step` is the whole step of a recipe (docs/recipes.md): k micro-steps of `grad_step` (BN
-statistics per micro-batch, running statistics at momentum 1 - (1 - m)^(1/k) per micro-step,
+statistics per micro-batch, running statistics at momentum m = 0.1 after every micro-step,
 each replica's gradients summed over k and all-reduced once, then divided by k), then the clip
 and the optimizer (`twinstep.optim`), then the EMA of weights and running statistics
 (`twinstep.ema`). After the collective every replica holds the same gradient, so everything after
@@ -19,7 +19,6 @@ GLOBAL batch from the step's key and sharded with the batch.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
@@ -131,7 +130,7 @@ def accumulate(net, recipe, params: dict, buffers: dict, xs, ts, key, ctx: layer
                row_order=None, slice_dims: dict | None = None, packed: bool = True):
     """k micro-steps: xs [k, N, S, S, 3], ts [k, N, K] (this replica's rows). Returns (mean
     gradient over the k micro-steps, running statistics after them, mean loss). Each micro-step
-    normalises over its own R*N rows and moves the running statistics at 1 - (1 - m)^(1/k).
+    normalises over its own R*N rows and moves the running statistics at momentum m.
     row_order [N] (one device only): the rows are the global batch's in this order — the tie's
     noise floor reorders a batch and its masks alike. slice_dims: return only this replica's
     slices of the mean gradient; packed: the gradients in buckets, else a collective per tensor
@@ -140,8 +139,7 @@ def accumulate(net, recipe, params: dict, buffers: dict, xs, ts, key, ctx: layer
     rep = ctx.replicas
     if row_order is not None and rep.synced:
         raise ValueError("row_order reorders a single device's global batch, not a replica's")
-    m = batchnorm.MOMENTUM  # 1 - (1 - m)^(1/k), exactly m at k = 1
-    momentum = m if k == 1 else -math.expm1(math.log1p(-m) / k)
+    momentum = batchnorm.MOMENTUM  # every micro-step's forward, as timm's train.py accumulates
     alpha = recipe.effective_label_smoothing
     ts = (losses.bce_targets(ts, alpha, recipe.bce_threshold) if recipe.loss == "bce" else ts)
 
