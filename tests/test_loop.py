@@ -196,12 +196,18 @@ def _err(name: str, ours: dict, ref: dict) -> float:
     return bounds.grad_err(name, ours, ref)
 
 
-@pytest.fixture(scope="module", params=sorted(RECIPES))
+# AdamW + EMA from timm's initialisation at 32²: timm's own loop moves O(1) under a reordering
+# (Adam turns rounding noise in tiny gradient elements into +-lr steps), so every bound is too
+# loose to see a bug — inconclusive, as a tie would say; it needs a better-conditioned setting
+INCONCLUSIVE = pytest.mark.xfail(strict=True, reason="inconclusive: bounds above 1e-3")
+
+
+@pytest.fixture(scope="module", params=["lamb", pytest.param("adamw", marks=INCONCLUSIVE)])
 def compared(request, tmp_path_factory):
     return request.param, _compared(RECIPES[request.param], tmp_path_factory.mktemp("loop"))
 
 
-@pytest.fixture(scope="module", params=sorted(RECIPES))
+@pytest.fixture(scope="module", params=["lamb"])
 def controlled(request, tmp_path_factory):
     """A run compared with every control's loop too (each holds a float64 ResNet-50, its
     optimizer state and gradients, ~0.8 GB more)."""
@@ -217,6 +223,8 @@ def test_the_loop_is_timms_every_tensor_every_step(compared):
     bad = [f"{r['group']}/{r['name']} at step {r['step']}: {r['err']:.1e} > {r['bound']:.1e}"
            for r in rows if not r["ok"]]
     assert not bad, bad[:5]
+    loose = [r for r in rows if r["bound"] > bounds.INCONCLUSIVE_BOUND]
+    assert not loose, f"inconclusive: {len(loose)} bounds above {bounds.INCONCLUSIVE_BOUND}"
     assert {r["step"] for r in rows} == set(range(1, STEPS + 1))
     worst = {}
     for r in rows:
@@ -229,7 +237,7 @@ def test_the_loop_is_timms_every_tensor_every_step(compared):
 def test_the_loop_oracle_sees_each_control(controlled, control):
     """Each control — on timm's side, against the same twinstep run — fails the comparison: the
     lr differs, or some tensor exceeds its bound."""
-    kind, found = compared
+    kind, found = controlled
     if control not in found["rows"]:
         pytest.skip("no EMA in this recipe")
     lr_off = any(a != pytest.approx(b, rel=1e-14) for a, b in found["lr"][control])
