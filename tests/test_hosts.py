@@ -153,6 +153,9 @@ def test_two_processes_train_what_one_does_survive_a_kill_and_resume_in_one(kill
 def test_the_killed_run_resumes_over_two_processes_and_in_one_on_one_replica(killed, tmp_path):
     """The killed run resumed as it was (the launcher, --resume) and in one process on ONE
     replica of 4N: both end step 2 where the two-process run would (each other's, 1e-10)."""
+    from twinstep import api
+    from twinstep.training import compare
+
     again = _copy(killed, tmp_path / "two")
     resumed = subprocess.run(_launch(*TRAIN, "--out", again, "--resume"), text=True,
                              capture_output=True, timeout=WAIT_S)
@@ -160,7 +163,11 @@ def test_the_killed_run_resumes_over_two_processes_and_in_one_on_one_replica(kil
     assert "[0] val (raw): top-1" in resumed.stdout and "[1] val" not in resumed.stdout
     two = load_state(again)
     assert int(two["step"]) == STEPS
-    assert _max_err(_resumed(killed, tmp_path, "mnv4in_momdp8", 1), two) <= 1e-10
+    one = _copy(killed, tmp_path / "one")
+    api.train("mnv4in_momdp8", one, replicas=1, resume=True, **COMMON)
+    assert _max_err(load_state(one), two) <= 1e-10
+    pair = compare.compare([again, one])["pairs"][0]  # the processes' hits totalled
+    assert pair["only_first"] == pair["only_run"] == 0
 
 
 @pytest.mark.slow

@@ -95,6 +95,8 @@ def test_a_run_killed_and_resumed_ends_bit_for_bit_where_an_uninterrupted_one_do
     resumed one with a thread — and ends bitwise where the other does."""
     from test_data import write_folder
 
+    from twinstep.training import compare
+
     data = write_folder(str(tmp_path / "data"))
     with open(os.path.join(data, "train", "ant", "1.JPG"), "wb") as f:
         f.write(b"\xff\xd8 truncated")  # drawn: 6 steps of 8 rows read each of 12 images
@@ -125,6 +127,15 @@ def test_a_run_killed_and_resumed_ends_bit_for_bit_where_an_uninterrupted_one_do
     lines = (killed / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line)["step"] for line in lines if "eval" not in line]
     assert steps == [1, 2, 3, 4, 5, 6]  # a killed run's lines past its checkpoint are dropped
+    # each evaluation's per-image results: the resumed run's are the uninterrupted one's, and
+    # they count the logged top-1 (within its interval)
+    found = compare.compare([str(whole), str(killed)])
+    assert found["step"] == 6 and found["pairs"][0]["only_first"] == 0
+    assert found["pairs"][0]["only_run"] == 0
+    logged = json.loads(lines[-1])["eval"]["raw"]
+    assert found["runs"][0]["top1"] == logged["top1"]
+    assert logged["top1_low"] <= logged["top1"] <= logged["top1_high"]
+    assert "(95% interval" in done.stdout
     _exported_weights_run_in_timm_as_in_twinstep(whole)
     # refused: the same RUN_DIR with another setting
     other = subprocess.run(_train(killed, data, "--seed", "1"), capture_output=True, text=True,

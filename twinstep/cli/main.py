@@ -31,11 +31,12 @@ COMMANDS = {  # each command's line in 'twinstep --help'; its module is twinstep
     "pack": "pack an image folder for training: re-encoded images in ArrayRecord shards",
     "weights": "a training run's weights as a timm state dict (.safetensors or .pth)",
     "plot": "a training run's curves as a PNG (loss, lr, val top-1)",
+    "compare": "training runs paired image by image: top-1 intervals, McNemar's test",
     "launch": "run train or tie as P processes on this host, joined into one runtime",
 }
 ALIASES = {"export": "weights"}  # the names of 0.1.0
 # the commands that never start JAX: no XLA_FLAGS check, no compilation cache
-NO_JAX = ("recipe", "plot", "pack", "launch")
+NO_JAX = ("recipe", "plot", "compare", "pack", "launch")
 NO_CACHE_HELP = ("compile every program afresh: neither load nor keep compiled programs (also "
                  "TWINSTEP_NO_COMPILE_CACHE=1; kept in ~/.cache/twinstep/jax by default, "
                  "docs/speed.md#compilation-cache)")

@@ -122,9 +122,9 @@ def run(args, parser) -> int:
     if not primary:
         return 0
     for weights, m in result.items():
-        print(f"val ({weights}): top-1 {m['top1']:.2%}, top-5 {m['top5']:.2%}, "
-              f"loss {m['loss']:.4f}")
-    print(f"run: {args.out} (metrics.jsonl, tb/, checkpoints/)")
+        print(f"val ({weights}): top-1 {m['top1']:.2%} (95% interval {m['top1_low']:.1%}–"
+              f"{m['top1_high']:.1%}), top-5 {m['top5']:.2%}, loss {m['loss']:.4f}")
+    print(f"run: {args.out} (metrics.jsonl, tb/, correct/, checkpoints/)")
     return 0
 
 
@@ -150,9 +150,11 @@ def progress(total: int, quiet: bool = False):
         task = bar.add_task("train", total=total, text="compiling")
 
         def update(step, m):
-            top1 = m.get("eval", {}).get("raw", {}).get("top1")
+            raw = m.get("eval", {}).get("raw")
             text = (f"epoch {m['epoch']:.2f}  loss {m['loss']:.3f}  lr {m['lr']:.2e}  "
-                    f"{m['img_per_s']:.0f} img/s" + (f"  val top-1 {top1:.1%}" if top1 else ""))
+                    f"{m['img_per_s']:.0f} img/s" + (
+                        f"  val top-1 {raw['top1']:.1%} ({raw['top1_low']:.1%}–"
+                        f"{raw['top1_high']:.1%})" if raw else ""))
             bar.update(task, completed=step, text=text)
 
         yield update

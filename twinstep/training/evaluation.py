@@ -5,13 +5,16 @@ single device's whatever R is).
 
 from __future__ import annotations
 
+import hashlib
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from twinstep import dp
-from twinstep.data import loader
+from twinstep.data import batches, loader
 from twinstep.processes import cluster
+from twinstep.training.stats import interval
 
 
 def eval_placement(replicas: int) -> tuple:
@@ -24,20 +27,24 @@ def eval_placement(replicas: int) -> tuple:
     return NamedSharding(mesh, dp.REPLICATED), NamedSharding(mesh, dp.BATCH)
 
 
-def evaluate(src, cfg, state, eval_fn) -> dict:
-    """{"raw": {loss, top1, top5}, "ema": ...} of ``state`` for the run ``cfg`` (a
-    `TrainConfig`) over the whole val split, sharded over the replicas (`eval_placement`), the
-    last batch padded and masked so every image counts once (an image that does not decode is
-    replaced by the next, `twinstep.data.loader`). A process reads and scores its own replicas'
-    rows; the sums are totalled over processes."""
-    sums = {name: np.zeros(3) for name in ("raw", "ema")
-            if name == "raw" or state.ema is not None}
+def evaluate(src, cfg, state, eval_fn) -> tuple[dict, dict]:
+    """(metrics, correct) of ``state`` for the run ``cfg`` (a `TrainConfig`) over the whole val
+    split: metrics {"raw": {loss, top1, top1_low, top1_high, top5}, "ema": ...} (top-1's 95 %
+    `interval`), correct {"raw": bool [n]: image i's top-1 is right, "ema": ...}. Sharded over
+    the replicas (`eval_placement`), the last batch padded and masked so every image counts
+    once (an image that does not decode is replaced by the next, `twinstep.data.loader`). A
+    process reads and scores its own replicas' rows; sums and hits are totalled over
+    processes."""
+    n = len(src.val_labels)
+    names = [name for name in ("raw", "ema") if name == "raw" or state.ema is not None]
+    sums, hits = {name: np.zeros(3) for name in names}, {name: np.zeros(n) for name in names}
     weights = {"raw": (state.params, state.buffers), "ema": state.ema}
     on_all, by_rows = eval_placement(cfg.replicas)
     placed = {n: weights[n] if cluster.count() > 1 else jax.device_put(weights[n], on_all)
-              for n in sums}  # with several processes the state is on the replicas already
+              for n in names}  # with several processes the state is on the replicas already
     part = cluster.local_rows(cfg.rows)
-    for x, y, valid, _ in loader.val_stream(src, cfg.rows, cfg.workers, part):
+    for b, (x, y, valid, _) in enumerate(loader.val_stream(src, cfg.rows, cfg.workers, part)):
+        images = batches.eval_rows(b, cfg.rows, n)[0][part][valid]
         x = cluster.global_array(x, by_rows, (cfg.rows, *x.shape[1:]))  # normalised there
         for name, (params, buffers) in placed.items():
             logits = cluster.local_rows_of(cluster.run_together(eval_fn, params, buffers, x),
@@ -47,7 +54,23 @@ def evaluate(src, cfg, state, eval_fn) -> dict:
             rank = (logits > logits[np.arange(len(y)), y][:, None]).sum(1)
             sums[name] += [-(logp[np.arange(len(y)), y] * valid).sum(),
                            ((rank < 1) & valid).sum(), ((rank < 5) & valid).sum()]
-    n = len(src.val_labels)
-    return {name: dict(zip(("loss", "top1", "top5"), (float(v) / n for v in cluster.total(s)),
-                           strict=True)) for name, s in sums.items()}
+            hits[name][images] = rank[valid] < 1
+    metrics, correct = {}, {}
+    for name in names:
+        loss, top1, top5 = cluster.total(sums[name])
+        low, high = interval(int(top1), n)
+        metrics[name] = {"loss": float(loss) / n, "top1": float(top1) / n, "top1_low": low,
+                         "top1_high": high, "top5": float(top5) / n}
+        correct[name] = cluster.total(hits[name]) > 0
+    return metrics, correct
 
+
+def val_fingerprint(src) -> str:
+    """What identifies ``src``'s val split for pairing runs image by image: a hash of its kind
+    (the digits or a folder), class names and labels in order (a folder and its packed copy
+    share it)."""
+    kind = "digits" if isinstance(src, loader.Digits) else "folder:" + "/".join(
+        src.val.classes)
+    h = hashlib.sha256(kind.encode())
+    h.update(np.asarray(src.val_labels, np.int64).tobytes())
+    return h.hexdigest()[:16]

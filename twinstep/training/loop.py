@@ -107,12 +107,13 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
                 log.train({**record, "skipped": int(cluster.total([skipped])[0])})
             if evals:
                 with dog.paused(not last_eval):  # the first evaluation compiles
-                    last_eval = evaluation.evaluate(src, cfg, state, eval_fn)
+                    last_eval, correct = evaluation.evaluate(src, cfg, state, eval_fn)
                 log.eval(done, last_eval)
+                log.correct(done, correct, evaluation.val_fingerprint(src))
             if saves:
                 checkpoints.save(done, state)
             say(done, {**record, **({"eval": last_eval} if last_eval else {})})
-        return last_eval or evaluation.evaluate(src, cfg, state, eval_fn)
+        return last_eval or evaluation.evaluate(src, cfg, state, eval_fn)[0]
 
 
 def _read_back(pending: list, checkpoints: Checkpoints) -> float:
@@ -164,6 +165,9 @@ class _NoLog:
         pass
 
     def eval(self, step: int, result: dict) -> None:
+        pass
+
+    def correct(self, step: int, correct: dict, val: str) -> None:
         pass
 
 

@@ -3,9 +3,11 @@ event files under ``tb/``, written side by side by `RunLog`; `read_metrics` read
 and `plot` draws them into a PNG.
 
 Records. A train record is ``{"step": int, "epoch", "loss", "lr", "img_per_s": float,
-"skipped": int}``; an eval record ``{"step": int, "eval": {"raw": {"loss", "top1", "top5"},
-"ema": {...}}}`` ("ema" only with EMA). In TensorBoard they are the scalars ``train/<field>``
-and ``eval/<weights>/<metric>`` at global step = the record's step.
+"skipped": int}``; an eval record ``{"step": int, "eval": {"raw": {"loss", "top1", "top1_low",
+"top1_high", "top5"}, "ema": {...}}}`` ("ema" only with EMA; top1_low / top1_high: top-1's 95 %
+interval). In TensorBoard they are the scalars ``train/<field>`` and ``eval/<weights>/<metric>``
+at global step = the record's step. Beside each eval record, ``correct/step_<step>.npz`` holds
+which val images the evaluation got right (top-1), for pairing runs (`twinstep compare`).
 
 Kills. Each record reaches the operating system before `RunLog.train` / `RunLog.eval` return,
 as one JSON line (one ``write``) and one TFRecord holding all its scalars, so a process killed
@@ -43,6 +45,7 @@ from twinstep.processes import disk
 
 METRICS = "metrics.jsonl"
 TB = "tb"
+CORRECT = "correct"  # each evaluation's per-image top-1 hits: correct/step_<step, 8 digits>.npz
 CURVES = "curves.png"
 
 
@@ -104,6 +107,35 @@ def _truncate(path: str, step: int) -> None:
         disk.publish({path: kept})
 
 
+def _correct_path(run_dir: str, step: int) -> str:
+    return os.path.join(run_dir, CORRECT, f"step_{step:08d}.npz")
+
+
+def _drop_correct_after(run_dir: str, step: int) -> None:
+    """Remove the per-image hits a killed attempt saved past ``step`` (the resumed run saves
+    its own)."""
+    for at in read_correct_steps(run_dir):
+        if at > step:
+            os.unlink(_correct_path(run_dir, at))
+
+
+def read_correct_steps(run_dir: str) -> list[int]:
+    """The steps whose per-image hits RUN_DIR holds (`RunLog.correct`), ascending."""
+    folder = os.path.join(run_dir, CORRECT)
+    if not os.path.isdir(folder):
+        return []
+    return sorted(int(name[5:13]) for name in os.listdir(folder)
+                  if name.startswith("step_") and name.endswith(".npz") and len(name) == 17)
+
+
+def read_correct(run_dir: str, step: int) -> tuple[str, dict]:
+    """(the val split's fingerprint, {"raw": bool [n], "ema": ...}) of evaluation ``step``."""
+    import numpy as np
+
+    with np.load(_correct_path(run_dir, step)) as f:
+        return str(f["val"]), {k: f[k] for k in f.files if k != "val"}
+
+
 class RunLog:
     """RUN_DIR's metrics.jsonl and TensorBoard event files (``RUN_DIR/tb``), written together.
 
@@ -121,6 +153,7 @@ class RunLog:
         self.path = os.path.join(run_dir, METRICS)
         os.makedirs(run_dir, exist_ok=True)
         _truncate(self.path, start)
+        _drop_correct_after(run_dir, start)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         self._events = None
         try:
@@ -178,9 +211,21 @@ class RunLog:
         self._append(record, _scalars("train", record))
 
     def eval(self, step: int, metrics: dict) -> None:
-        """Log an evaluation {"raw": {"loss", "top1", "top5": float}, "ema": {...}} at ``step``:
+        """Log an evaluation {"raw": {"loss", "top1", ...: float}, "ema": {...}} at ``step``:
         the JSON line {"step": step, "eval": metrics}, and the scalars eval/raw/top1, ..."""
         self._append({"step": step, "eval": metrics}, _scalars("eval", metrics))
+
+    def correct(self, step: int, correct: dict, val: str) -> None:
+        """Save evaluation ``step``'s per-image top-1 hits {"raw": bool [n], "ema": ...} as
+        RUN_DIR/correct/step_<step>.npz beside ``val``, the val split's fingerprint
+        (`twinstep.training.evaluation.val_fingerprint`); written whole or not at all."""
+        import numpy as np
+
+        os.makedirs(os.path.join(self.run_dir, CORRECT), exist_ok=True)
+        npz = io.BytesIO()
+        np.savez_compressed(npz, val=np.array(val), **{k: np.asarray(v, bool)
+                                                       for k, v in correct.items()})
+        disk.publish({_correct_path(self.run_dir, step): npz.getvalue()})
 
     def close(self) -> None:
         """Flush both logs to disk and close them; closing again does nothing."""
