@@ -114,6 +114,32 @@ def test_a_replicated_tree_can_be_donated_without_freeing_the_original():
     assert float(original["a"].sum()) == 6.0
 
 
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_program_fed_its_placed_state_then_its_outputs_compiles_once(count, caplog):
+    """dp.replicate puts a tree where the program's outputs live — at one replica too, committed
+    to the first device: a step mapped as the train step is, called with its placed state and
+    then with its own new state, compiles once (counted in JAX's compile log). The control, an
+    uncommitted tree, as dp.place returned at one replica until 2026-12-04, compiles twice: it
+    made `twinstep train` at R = 1 compile its train step a second time."""
+    def compiles(tree) -> int:
+        def total(x):  # the whole batch's sum, on every replica
+            return x.sum() if count == 1 else jax.lax.psum(x.sum(), dp.AXIS)
+
+        step = dp.replica_map(lambda t, x: jax.tree.map(lambda a: a + total(x), t), count,
+                              ({"a": dp.REPLICATED}, dp.BATCH), {"a": dp.REPLICATED})
+        batch = jax.device_put(np.ones(2 * count),  # placed as the loop places its batches
+                               jax.devices()[0] if count == 1 else
+                               jax.sharding.NamedSharding(dp.mesh(count), dp.BATCH))
+        caplog.clear()
+        with jax.log_compiles(True), caplog.at_level("WARNING"):
+            step(step(tree, batch), batch)
+        return sum("Finished XLA compilation" in r.getMessage() for r in caplog.records)
+
+    assert compiles(dp.replicate({"a": np.arange(4.0)}, count)) == 1
+    if count == 1:
+        assert compiles({"a": jnp.arange(4.0)}) == 2
+
+
 def test_a_donated_weight_read_after_its_update_is_not_copied():
     """The backward reads a weight its own update does not wait for; XLA:CPU's default copy
     insertion then copies the donated weight every step, `dp.jit`'s options do not (the default

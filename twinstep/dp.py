@@ -50,18 +50,18 @@ def mesh(count: int) -> Mesh:
 
 
 def replicate(tree, count: int):
-    """``tree`` replicated on `mesh(count)` (as is at one replica). A replica program's outputs
-    live there: called first with arrays placed elsewhere and then with its own outputs, jit
-    would compile it twice (for a whole train step, most of a tie's time)."""
+    """``tree`` replicated on `mesh(count)` (on the first device at one replica). A program's
+    outputs live there: called first with arrays placed elsewhere and then with its own outputs,
+    jit would compile it twice (for a whole train step, most of a tie's time)."""
     return place(tree, jax.tree.map(lambda _: REPLICATED, tree), count)
 
 
 def place(tree, specs, count: int):
     """``tree`` (the same full value everywhere) on `mesh(count)`, each leaf laid out as its
-    PartitionSpec in ``specs`` (a matching tree) says. As is at one replica."""
-    if count == 1:
-        return tree
-    where = shardings(specs, mesh(count))
+    PartitionSpec in ``specs`` (a matching tree) says; at one replica, committed to the first
+    device, where the program's outputs are (uncommitted arguments would make jit compile the
+    program a second time for its own outputs, a whole compile of a train step)."""
+    where = jax.devices()[0] if count == 1 else shardings(specs, mesh(count))
     if cluster.count() > 1:  # each process puts its own devices' shards
         return cluster.placed(tree, where)
     # copied, never aliased with ``tree``'s buffers: a program may donate the placed tree.

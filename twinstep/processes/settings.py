@@ -96,3 +96,23 @@ def check_memory(need: int, advice: str) -> None:
     if have is not None and need > have:
         raise UsageError(f"this run needs at least {need / 2**30:.1f} GiB and "
                          f"{have / 2**30:.1f} GiB is available: {advice}")
+
+
+_trim = None  # glibc's malloc_trim once looked up; False where there is none
+
+
+def release_freed_memory() -> None:
+    """Hand the heap memory this process has freed back to the operating system (glibc's
+    malloc_trim; nothing elsewhere): glibc keeps freed blocks resident in its per-thread arenas,
+    after XLA's compiles most of all (docs/speed.md#memory)."""
+    global _trim
+    if _trim is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc
+            _trim = False
+    if _trim:
+        _trim(0)

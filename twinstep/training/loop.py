@@ -21,7 +21,7 @@ from twinstep import dp, program, recipes
 from twinstep.data import loader
 from twinstep.errors import UsageError
 from twinstep.nets import get_net
-from twinstep.processes import cluster, disk
+from twinstep.processes import cluster, disk, settings
 from twinstep.training import evaluation, state_dict
 from twinstep.training.checkpoint import Checkpoints
 from twinstep.training.config import TrainConfig, check_run_dir
@@ -98,6 +98,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
                 continue
             loss = _read_back(pending, checkpoints)
             dog.progress(done)  # the devices have caught up: armed from the first step on
+            settings.release_freed_memory()  # the compile's, the steps' arenas
             if done == start + 1:
                 t0 = time.perf_counter()  # the first step compiles: img/s from its end
             record |= {"loss": loss, "lr": float(cluster.local_value(m["lr"])),
