@@ -16,6 +16,7 @@ import copy
 
 import numpy as np
 import pytest
+import timm_recipe
 from oracle_libs import timm, torch
 
 from twinstep.checking import bounds
@@ -35,32 +36,13 @@ def _timm_loop(model, recipe, moved: str = "", control: str = "none"):
     (one at a time: a float64 ResNet-50 state with its moments and EMA is ~0.8 GB). ``moved``:
     "reversed" (every micro-batch's rows in reverse order) or "nudged" (every input times
     1 + a rounding-sized N(0, 1) draw): the same mathematics, the noise floor's twins."""
-    from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy
-    from timm.optim import create_optimizer_v2
-    from timm.scheduler import create_scheduler_v2
-    from timm.utils import ModelEmaV3, dispatch_clip_grad
-
     from twinstep.data import loader
 
     model = copy.deepcopy(model)
-    if control == "bn-momentum":
-        for m in model.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.momentum = 0.01
-    opt = create_optimizer_v2(model, opt=recipe.optimizer, lr=recipe.lr,
-                              weight_decay=recipe.effective_weight_decay,
-                              filter_bias_and_bn=recipe.wx and control != "decay-everything")
-    per = 5 if control == "per-epoch" else 1  # updates per epoch
-    sched, _ = create_scheduler_v2(
-        opt, "cosine", num_epochs=recipe.total_steps // per,
-        warmup_epochs=recipe.warmup_steps // per,
-        warmup_lr=0.0 if control == "warmup-from-0" else recipe.warmup_lr, min_lr=0.0,
-        step_on_epochs=per > 1, updates_per_epoch=per)
-    ema = ModelEmaV3(model, decay=recipe.ema_decay, use_warmup=(
-        recipe.ema_warmup == "timm") != (control == "ema-warmup")) if recipe.ema else None
-    smoothing = recipe.effective_label_smoothing
-    loss_fn = (BinaryCrossEntropy(smoothing=smoothing, target_threshold=recipe.bce_threshold)
-               if recipe.loss == "bce" else LabelSmoothingCrossEntropy(smoothing=smoothing))
+    opt = timm_recipe.optimizer(model, recipe, control)
+    sched, per = timm_recipe.scheduler(opt, recipe, control)
+    ema = timm_recipe.ema(model, recipe, control)
+    loss_fn = timm_recipe.loss(recipe)
     src = loader.source("digits", RES)
     batches = loader.train_stream(src, loader.Augment(), 0, 0, STEPS, recipe.accum,
                                   REPLICAS * recipe.batch, 0)
@@ -77,18 +59,13 @@ def _timm_loop(model, recipe, moved: str = "", control: str = "none"):
                 u = np.random.default_rng([updates, len(x)]).standard_normal(x.shape)
                 x = x * (1 + bounds.perturbation(np.float64) * torch.tensor(u))
             (loss_fn(model(x), y) / recipe.accum).backward()
-        if recipe.clip:
-            dispatch_clip_grad(list(named.values()), value=1.0, mode="norm")
+        timm_recipe.clip(model, recipe)
         opt.step()
         opt.zero_grad()
         updates += 1
         if ema is not None:
             ema.update(model, step=updates)
-        if per > 1:
-            if updates % per == 0:
-                sched.step(updates // per)
-        else:
-            sched.step_update(num_updates=updates)
+        timm_recipe.step(sched, per, updates)
         state = {k: opt.state[p] for k, p in named.items()}
         yield {  # views of the live tensors: read before the loop is advanced
             "lr": lr, "params": {k: p.detach().numpy() for k, p in named.items()},
