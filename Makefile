@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 EXTRAS_TEST := oracle,dev,iree,dali
 DEMO_NETS := resnet50 mnv4
 
-.PHONY: demo certify test test-fast test-all lint bench clean
+.PHONY: demo certify pictures test test-fast test-all lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,15 @@ demo: $(VENV)/.installed-base
 
 certify: $(VENV)/.installed-base
 	$(BIN)/twinstep certify
+
+# The README's two pictures: MobileNetV4's default tie (R = 4, f64), and the same tie with the
+# shard-gamma control, which must fail (exit 1) and shows where: only BN gammas break.
+PICTURES := docs/img
+pictures: $(VENV)/.installed-base
+	mkdir -p $(PICTURES)
+	$(BIN)/twinstep tie mnv4 --plot $(PICTURES)/tie-mnv4.png
+	$(BIN)/twinstep tie mnv4 --control shard-gamma --plot $(PICTURES)/tie-mnv4-shard-gamma.png; \
+		test $$? -eq 1
 
 # The suite's three tiers select by marker (pyproject.toml; tests/conftest.py says what each
 # marker means). Every run gets its own persistent JAX compilation cache, shared by all of its

@@ -29,9 +29,13 @@ def test_bad_usage_exits_2():
 
 
 def test_certify_end_to_end(tmp_path):
-    r = run("certify", "--replicas", "3", "--json", str(tmp_path / "r.json"))
+    png = tmp_path / "r.png"
+    r = run("certify", "--replicas", "3", "--json", str(tmp_path / "r.json"), "--plot", str(png))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "certified" in r.stdout
+    assert f"picture: {png}" in r.stdout and png.read_bytes()[:4] == b"\x89PNG"
+    again = run("plot", str(tmp_path / "r.json"), "--out", str(tmp_path / "again.png"))
+    assert again.returncode == 0 and (tmp_path / "again.png").stat().st_size > 10_000
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["ok"] and all(c["caught"] for c in report["controls"])
     assert {c["check"] for c in report["checks"]} >= {

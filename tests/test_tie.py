@@ -12,6 +12,7 @@ ResNet-50 in f64, the sweep's random draws) is marked ``all`` (`make test-all`).
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -97,7 +98,7 @@ GRADIENT_CONTROLS = sorted(set(CONTROLS) - {"none", *MASK_CONTROLS})
 @pytest.mark.parametrize("net,control", matrix(
     *[(n, c) for n in sorted(COUNTS) for c in GRADIENT_CONTROLS],
     keep={("resnet50", "sum"), ("resnet50", "shard-gamma")}))
-def test_every_control_breaks_the_tie(net, control):
+def test_every_control_breaks_the_tie(net, control, tmp_path):
     r = run(net=net, replicas=2, control=control)
     assert r.status == "NOT tied"
     assert "NOT tied" in r.verdict()
@@ -106,6 +107,11 @@ def test_every_control_breaks_the_tie(net, control):
         bn_gammas = {f"{b['name']}.weight" for b in r.bn_sites}
         assert failing and failing <= bn_gammas
         assert all(b["ok"] for b in r.bn_sites)
+        # and its picture (the README's, `make pictures`) draws from the failing report
+        from twinstep.checking import picture
+
+        png = str(tmp_path / "control.png")
+        assert picture.draw_tie(r.to_json(), png) == png and os.path.getsize(png) > 10_000
 
 
 @pytest.mark.slow
@@ -199,15 +205,29 @@ def test_resnet50_tie_sweep(replicas, batch, shift, seed, loss):
 
 
 @pytest.mark.slow
-def test_cli_exit_codes_and_json(tmp_path):
+def test_cli_exit_codes_json_and_picture(tmp_path, capsys):
     """The R = 2 CE tie of `test_resnet50_ties_f64` through the CLI: in `make test` its programs
-    come from the run's compilation cache."""
-    out = tmp_path / "tie.json"
+    come from the run's compilation cache. Its report as JSON and as a picture (--plot, and
+    `twinstep plot REPORT.json`); a picture of what is not a one-step tie is refused."""
+    from twinstep.cli.main import main
+
+    out, png = tmp_path / "tie.json", tmp_path / "tie.png"
     ok = subprocess.run([sys.executable, "-m", "twinstep.cli", "tie", "resnet50", "--replicas",
-                         "2", "--json", str(out)], capture_output=True,
+                         "2", "--json", str(out), "--plot", str(png)], capture_output=True,
                         text=True, timeout=900)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "tied: 161/161 parameters, 53/53 BN sites" in ok.stdout
+    assert f"picture: {png}" in ok.stdout and png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["plot", str(out)]) == 0 and (tmp_path / "tie.png").stat().st_size > 10_000
+    assert main(["plot", str(out), "--out", str(tmp_path / "again.png")]) == 0
+    for argv, message in ((["plot", str(tmp_path / "again.png")], "neither a run's folder"),
+                          (["tie", "resnet50", "--plot", "x.jpg"], "a .png file name"),
+                          (["tie", "--recipe", "resnet50in_lamb", "--plot", "x.png"],
+                           "a one-step tie")):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
     report = json.loads(out.read_text())
     assert set(report) >= {"verdict", "config", "parameters", "bn_sites", "loss"}
     assert set(report["parameters"][0]) >= {"name", "shape", "rel_err", "abs_err", "bound", "ok"}

@@ -23,19 +23,28 @@ def add(p) -> None:
                                            "(default: 2 4)", "R", nargs="+")
     options.seed(p)
     options.json_out(p)
+    p.add_argument("--plot", metavar="FILE.png", help="also draw every check's error over its "
+                   "bound, and the controls' (docs/tie.md#the-picture)")
 
 
 def run(args, parser) -> int:
     from twinstep import api
-    from twinstep.checking import certification
-    from twinstep.processes import settings
+    from twinstep.checking import certification, picture
+    from twinstep.errors import UsageError
+    from twinstep.processes import disk, settings
 
+    if args.plot is not None:
+        if not args.plot.lower().endswith(".png"):
+            raise UsageError(f"--plot {args.plot}: a .png file name")
+        disk.check_writable_file(args.plot, "--plot")
     api.devices(max(args.replicas))
     t0 = time.perf_counter()
     with settings.jax_settings(jax_enable_x64=True), status("certifying the op library"):
         result = certification.run(args.replicas, seed=args.seed)
     show(result, time.perf_counter() - t0)
     options.write_json(args.json, result.to_json())
+    if args.plot is not None:
+        print(f"picture: {picture.draw_certification(result.to_json(), args.plot)}")
     return 0 if result.ok else 1
 
 

@@ -1,18 +1,47 @@
-"""``twinstep plot RUN_DIR``: a training run's curves as a PNG (docs/training.md#logs)."""
+"""``twinstep plot RUN_DIR | REPORT.json``: a training run's curves, or a tie's report, as a PNG
+(docs/training.md#logs, docs/tie.md#the-picture)."""
 
 from __future__ import annotations
 
 
 def add(p) -> None:
     p.description = ("Draw a 'twinstep train' run's curves — train loss, learning rate, val "
-                     "top-1 of the raw and EMA weights — from RUN_DIR/metrics.jsonl into a PNG. "
-                     "Exit 0 when written, 2 on bad usage.")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder ('twinstep train --out')")
-    p.add_argument("--out", metavar="FILE", help="default RUN_DIR/curves.png")
+                     "top-1 of the raw and EMA weights — from RUN_DIR/metrics.jsonl into a PNG; "
+                     "or a report saved with 'twinstep tie NET --json REPORT.json' (every "
+                     "parameter's error and bound along the net) or 'twinstep certify --json' "
+                     "(every check's error over its bound). Exit 0 when written, 2 on bad "
+                     "usage.")
+    p.add_argument("run_dir", metavar="RUN_DIR|REPORT.json",
+                   help="a run's folder ('twinstep train --out'), or a tie's or a "
+                   "certification's JSON report")
+    p.add_argument("--out", metavar="FILE", help="default RUN_DIR/curves.png, or REPORT.png")
 
 
 def run(args, parser) -> int:
-    from twinstep.training import run_log
+    import json
+    import os
 
-    print(run_log.plot(args.run_dir, args.out))
+    from twinstep.errors import UsageError
+
+    if not os.path.isfile(args.run_dir):  # a run's folder, or says what a run's holds
+        from twinstep.training import run_log
+
+        print(run_log.plot(args.run_dir, args.out))
+        return 0
+    from twinstep.checking import picture
+
+    try:
+        with open(args.run_dir) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{args.run_dir}: neither a run's folder nor a JSON report ({e})") \
+            from None
+    out = args.out or os.path.splitext(args.run_dir)[0] + ".png"
+    if picture.is_tie_report(report):
+        print(picture.draw_tie(report, out))
+    elif picture.is_certification_report(report):
+        print(picture.draw_certification(report, out))
+    else:
+        raise UsageError(f"{args.run_dir}: neither a one-step tie's report ('twinstep tie NET "
+                         f"--json') nor a certification's ('twinstep certify --json')")
     return 0

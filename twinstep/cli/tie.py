@@ -77,6 +77,9 @@ def add(p) -> None:
     p.add_argument("--all", action="store_true",
                    help="one row per tensor (default: the worst few, and counts)")
     options.json_out(p, "write the full report as JSON (docs/tie.md#json)")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the report: every "
+                   "parameter's error and bound along the net, the BN sites and the loss, the "
+                   "verdict in the title (a one-step tie; docs/tie.md#the-picture)")
     options.cluster(p)
 
 
@@ -88,9 +91,11 @@ def _fixed_by_render(parser) -> list[str]:
 
 def run(args, parser) -> int:
     from twinstep import api
+    from twinstep.checking import picture
     from twinstep.checking.bounds import EXIT_CODES
     from twinstep.checking.tie import TieConfig
-    from twinstep.processes import cluster
+    from twinstep.errors import UsageError
+    from twinstep.processes import cluster, disk
     from twinstep.rendering import reader
 
     fixed = _fixed_by_render(parser)
@@ -107,6 +112,13 @@ def run(args, parser) -> int:
         parser.error("the net is required (or --recipe NAME, or --render PATH)")
     elif args.steps is not None and args.recipe is None:
         parser.error("--steps needs --recipe or --render (whole training steps)")
+    if args.plot is not None:
+        if args.render is not None or args.recipe is not None:
+            raise UsageError("--plot draws a one-step tie ('twinstep tie NET'), not --recipe "
+                             "or --render")
+        if not args.plot.lower().endswith(".png"):
+            raise UsageError(f"--plot {args.plot}: a .png file name")
+        disk.check_writable_file(args.plot, "--plot")
     config = {**given, "seed": args.seed, "shift": args.shift, "fast_compile": args.fast_compile}
     options.join(args, reader.read_manifest(args.render)["replicas"] if args.render
                  else config.get("replicas", TieConfig.replicas))
@@ -131,6 +143,8 @@ def run(args, parser) -> int:
             sha = reader.read_manifest(args.render)["files"][os.path.basename(args.render)]
             print(f"render: {args.render} (sha256 {sha['sha256'][:16]}...)")
         options.write_json(args.json, result.to_json())
+        if args.plot is not None:
+            print(f"picture: {picture.draw_tie(result.to_json(), args.plot)}")
     # every process ends with process 0, once it has reported (the launcher stops the rest of
     # a run at its first non-zero exit)
     cluster.barrier("tie reported")
