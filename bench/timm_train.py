@@ -183,13 +183,7 @@ def timm_side(args) -> None:
             if mix is not None:
                 x, y = mix(x, y)
             (loss_fn(model(x), y) / k).backward()
-        timm_recipe.clip(model, recipe)
-        opt.step()
-        opt.zero_grad()
-        updates += 1
-        if ema is not None:
-            ema.update(model, step=updates)
-        timm_recipe.step(sched, per, updates)
+        updates = timm_recipe.update(model, recipe, opt, sched, per, ema, updates)
         if updates % LOG_EVERY == 0 or updates == args.steps:
             ends[updates] = time.perf_counter() - t0
     img_s = steady(ends, rows * k, args.steps)

@@ -59,13 +59,7 @@ def _timm_loop(model, recipe, moved: str = "", control: str = "none"):
                 u = np.random.default_rng([updates, len(x)]).standard_normal(x.shape)
                 x = x * (1 + bounds.perturbation(np.float64) * torch.tensor(u))
             (loss_fn(model(x), y) / recipe.accum).backward()
-        timm_recipe.clip(model, recipe)
-        opt.step()
-        opt.zero_grad()
-        updates += 1
-        if ema is not None:
-            ema.update(model, step=updates)
-        timm_recipe.step(sched, per, updates)
+        updates = timm_recipe.update(model, recipe, opt, sched, per, ema, updates)
         state = {k: opt.state[p] for k, p in named.items()}
         yield {  # views of the live tensors: read before the loop is advanced
             "lr": lr, "params": {k: p.detach().numpy() for k, p in named.items()},

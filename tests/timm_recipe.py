@@ -74,3 +74,16 @@ def clip(model, recipe) -> None:
 
     if recipe.clip:
         dispatch_clip_grad(list(model.parameters()), value=1.0, mode="norm")
+
+
+def update(model, recipe, opt, sched, per: int, ema, updates: int) -> int:
+    """The end of an optimizer step as train.py writes it, on the accumulated gradient: the
+    clip, the optimizer, zero_grad, the EMA, the scheduler. Returns the updates done."""
+    clip(model, recipe)
+    opt.step()
+    opt.zero_grad()
+    updates += 1
+    if ema is not None:
+        ema.update(model, step=updates)
+    step(sched, per, updates)
+    return updates

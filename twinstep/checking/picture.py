@@ -7,34 +7,11 @@ the negative controls beside them.
 
 from __future__ import annotations
 
-import io
 import textwrap
 
-from twinstep.errors import UsageError
 from twinstep.processes import disk
 
 FLOOR = 1e-18  # where an error of exactly 0 is drawn (log scale)
-
-
-def _canvas(size: tuple, out: str, flag: str):
-    """(figure, axes) of an Agg figure (no pyplot: no global backend switched in a caller's
-    process), once ``out`` is checked a writable .png."""
-    if not out.lower().endswith(".png"):
-        raise UsageError(f"{flag} {out}: a .png file name")
-    disk.check_writable_file(out, flag)
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=size)
-    FigureCanvasAgg(fig)
-    return fig, fig.subplots()
-
-
-def _save(fig, out: str) -> str:
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=100)
-    disk.publish({out: png.getvalue()})
-    return out
 
 
 def is_tie_report(report) -> bool:
@@ -52,7 +29,8 @@ def draw_tie(report: dict, out: str) -> str:
     """Draw the tie ``report`` (`TieReport.to_json`) into the PNG ``out``, written whole or not
     at all; returns its path. Parameters in the net's order (the order of its state dict: input
     to classifier); a BN site is drawn at its first parameter's place."""
-    fig, ax = _canvas((12, 4.6), out, "--plot")
+    fig = disk.png_figure(out, "--plot", (12, 4.6))
+    ax = fig.subplots()
     params = report["parameters"]
     place = {p["name"]: i for i, p in enumerate(params)}
     fig.subplots_adjust(left=0.07, right=0.99, bottom=0.11, top=0.84)
@@ -90,14 +68,15 @@ def draw_tie(report: dict, out: str) -> str:
                  f"control {c['control']}\n" + textwrap.fill(verdict, 150, max_lines=2),
                  fontsize=10,
                  color="tab:green" if report["ok"] else "tab:red")
-    return _save(fig, out)
+    return disk.publish_png(fig, out)
 
 
 def draw_certification(report: dict, out: str) -> str:
     """Draw the certification ``report`` (`certification.Report.to_json`) into the PNG ``out``:
     each check's error over its bound (at most 1 to hold), grouped by op and check, and each
     negative control's (above 1 to be caught); returns its path."""
-    fig, ax = _canvas((12, 4.6), out, "--plot")
+    fig = disk.png_figure(out, "--plot", (12, 4.6))
+    ax = fig.subplots()
     fig.subplots_adjust(left=0.07, right=0.99, bottom=0.11, top=0.88)
     ax.set_yscale("log")
     kinds = sorted({c["check"] for c in report["checks"]})
@@ -122,4 +101,4 @@ def draw_certification(report: dict, out: str) -> str:
     fig.suptitle(f"op library certification (float64): {held}/{len(report['checks'])} checks "
                  f"hold, {caught}/{len(controls)} controls caught", fontsize=10,
                  color="tab:green" if report["ok"] else "tab:red")
-    return _save(fig, out)
+    return disk.publish_png(fig, out)

@@ -81,3 +81,29 @@ def check_writable_folder(path: str, flag: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
         raise UsageError(f"{flag} {path}: {existing} cannot be written")
+
+
+def png_figure(path: str, flag: str, size: tuple):
+    """A matplotlib Figure of ``size`` inches to be written to ``path`` by `publish_png`, once
+    ``path`` (given as ``flag``) is checked a writable .png (UsageError, one line). matplotlib's
+    object API with the Agg canvas: no pyplot, so no global backend is switched in a caller's
+    process (a notebook's, say)."""
+    if not path.lower().endswith(".png"):
+        raise UsageError(f"{flag} {path}: a .png file name")
+    check_writable_file(path, flag)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def publish_png(fig, path: str) -> str:
+    """Write ``fig`` to ``path`` as a PNG, whole or not at all; returns ``path``."""
+    import io
+
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    publish({path: png.getvalue()})
+    return path

@@ -7,7 +7,6 @@ correct/step_<step>.npz (`twinstep.training.run_log`).
 
 from __future__ import annotations
 
-import io
 import os
 
 from twinstep.errors import UsageError
@@ -86,14 +85,7 @@ def report(found: dict) -> str:
 def overlay(run_dirs: list[str], out: str, weights: str = "raw") -> str:
     """The runs' train loss and val top-1 (with its 95 % interval as a band) against the step,
     one colour per run, into the PNG ``out`` (written whole or not at all); returns its path."""
-    if not out.lower().endswith(".png"):
-        raise UsageError(f"--out {out}: a .png file name")
-    disk.check_writable_file(out, "--out")
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 3.8))
-    FigureCanvasAgg(fig)
+    fig = disk.png_figure(out, "--out", (11, 3.8))
     fig.subplots_adjust(left=0.06, right=0.99, bottom=0.14, top=0.88, wspace=0.18)
     ax_loss, ax_top1 = fig.subplots(1, 2)
     for run in run_dirs:
@@ -116,7 +108,4 @@ def overlay(run_dirs: list[str], out: str, weights: str = "raw") -> str:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=100)
-    disk.publish({out: png.getvalue()})
-    return out
+    return disk.publish_png(fig, out)

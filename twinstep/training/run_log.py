@@ -263,17 +263,7 @@ def plot(run_dir: str, out: str | None = None) -> str:
     if not train and not evals:
         raise UsageError(f"{os.path.join(run_dir, METRICS)}: no records yet")
     path = out if out is not None else os.path.join(run_dir, CURVES)
-    if not path.lower().endswith(".png"):
-        raise UsageError(f"--out {path}: a .png file name")
-    disk.check_writable_file(path, "--out")
-
-    # matplotlib's object API with the Agg canvas: no pyplot, so no global backend to switch
-    # in a caller's process (a notebook's, say)
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(13, 3.8))
-    FigureCanvasAgg(fig)
+    fig = disk.png_figure(path, "--out", (13, 3.8))
     # fixed margins: a layout engine would draw the figure twice (~2x the time)
     fig.subplots_adjust(left=0.05, right=0.99, bottom=0.14, top=0.84, wspace=0.22)
     ax_loss, ax_lr, ax_top1 = fig.subplots(1, 3)
@@ -295,7 +285,4 @@ def plot(run_dir: str, out: str | None = None) -> str:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=100)
-    disk.publish({path: png.getvalue()})
-    return path
+    return disk.publish_png(fig, path)
