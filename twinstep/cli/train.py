@@ -14,9 +14,8 @@ from twinstep.cli import options
 
 
 def add(p) -> None:
-    from twinstep.data.loader import LOADERS
     from twinstep.ops.precision import NAMES as PRECISIONS
-    from twinstep.training.config import DIGITS_RES, MAX_WORKERS, SMOKE_STEPS, TrainConfig
+    from twinstep.training.config import DIGITS_RES, SMOKE_STEPS, TrainConfig
 
     default = options.defaults(TrainConfig)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -61,23 +60,7 @@ def add(p) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default=default["precision"],
                    help=f"default {default['precision']}")
     options.seed(p)
-    p.add_argument("--workers", type=options.int_in(0, MAX_WORKERS + 1),
-                   default=default["workers"], metavar="W",
-                   help=f"loader processes decoding and augmenting images (default "
-                        f"{default['workers']}: one background thread), or DALI's threads with "
-                        f"--loader dali; never changes the result")
-    p.add_argument("--loader", choices=LOADERS, default=default["loader"],
-                   help="who decodes and augments an image folder: 'pillow' (timm's transforms, "
-                        "pixel for pixel) or 'dali' (NVIDIA DALI, on the GPU when there is "
-                        "one; the [dali] extra; docs/training.md#dali). Default "
-                        f"{default['loader']}")
-    p.add_argument("--randaugment", type=options.int_in(0, 31), metavar="M",
-                   help="RandAugment rand-mM-mstd0.5-inc1 on an image folder (default: the "
-                        "recipe's; none for a grammar name)")
-    for kind in ("mixup", "cutmix"):
-        p.add_argument(f"--{kind}", type=float, metavar="ALPHA",
-                       help=f"{kind}'s Beta alpha on an image folder, 0 off (default: the "
-                            "recipe's); with both on, one of the two per batch")
+    _loader_options(p, default)
     p.add_argument("--resume", action="store_true",
                    help="continue the run in RUN_DIR and refuse to start a new one (without it, "
                         "a RUN_DIR holding a run is continued too)")
@@ -96,6 +79,31 @@ def add(p) -> None:
                    help="compile at XLA -O0: the same numerics, half the compile, a slower "
                         "step (for short runs)")
     options.cluster(p)
+
+
+
+def _loader_options(p, default: dict) -> None:
+    """How an image folder is read and augmented: --workers, --loader, the augmentations."""
+    from twinstep.data.loader import LOADERS
+    from twinstep.training.config import MAX_WORKERS
+
+    p.add_argument("--workers", type=options.int_in(0, MAX_WORKERS + 1),
+                   default=default["workers"], metavar="W",
+                   help=f"loader processes decoding and augmenting images (default "
+                        f"{default['workers']}: one background thread), or DALI's threads with "
+                        f"--loader dali; never changes the result")
+    p.add_argument("--loader", choices=LOADERS, default=default["loader"],
+                   help="who decodes and augments an image folder: 'pillow' (timm's transforms, "
+                        "pixel for pixel) or 'dali' (NVIDIA DALI, on the GPU when there is "
+                        "one; the [dali] extra; docs/training.md#dali). Default "
+                        f"{default['loader']}")
+    p.add_argument("--randaugment", type=options.int_in(0, 31), metavar="M",
+                   help="RandAugment rand-mM-mstd0.5-inc1 on an image folder (default: the "
+                        "recipe's; none for a grammar name)")
+    for kind in ("mixup", "cutmix"):
+        p.add_argument(f"--{kind}", type=float, metavar="ALPHA",
+                       help=f"{kind}'s Beta alpha on an image folder, 0 off (default: the "
+                            "recipe's); with both on, one of the two per batch")
 
 
 def run(args, parser) -> int:

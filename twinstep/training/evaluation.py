@@ -40,8 +40,8 @@ def evaluate(src, cfg, state, eval_fn) -> tuple[dict, dict]:
     sums, hits = {name: np.zeros(3) for name in names}, {name: np.zeros(n) for name in names}
     weights = {"raw": (state.params, state.buffers), "ema": state.ema}
     on_all, by_rows = eval_placement(cfg.replicas)
-    placed = {n: weights[n] if cluster.count() > 1 else jax.device_put(weights[n], on_all)
-              for n in names}  # with several processes the state is on the replicas already
+    placed = {w: weights[w] if cluster.count() > 1 else jax.device_put(weights[w], on_all)
+              for w in names}  # with several processes the state is on the replicas already
     part = cluster.local_rows(cfg.rows)
     for b, (x, y, valid, _) in enumerate(loader.val_stream(src, cfg.rows, cfg.workers, part)):
         images = batches.eval_rows(b, cfg.rows, n)[0][part][valid]

@@ -98,7 +98,6 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
                 continue
             loss = _read_back(pending, checkpoints)
             dog.progress(done)  # the devices have caught up: armed from the first step on
-            settings.release_freed_memory()  # the compile's, the steps' arenas
             if done == start + 1:
                 t0 = time.perf_counter()  # the first step compiles: img/s from its end
             record |= {"loss": loss, "lr": float(cluster.local_value(m["lr"])),
@@ -119,13 +118,15 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
 
 def _read_back(pending: list, checkpoints: Checkpoints) -> float:
     """The losses of the steps run since the last read-back ([(step, metrics)], emptied), which
-    waits for the devices; NonFinite at the first that is not finite. Returns the last."""
+    waits for the devices; NonFinite at the first that is not finite. Returns the last, once
+    the heap memory freed meanwhile is handed back (docs/speed.md#memory)."""
     for at, metrics in pending:
         loss = float(cluster.local_value(metrics["loss"]))
         if not math.isfinite(loss):
             raise NonFinite(f"the loss is {loss} at step {at}; the last checkpoint (step "
                             f"{checkpoints.latest()}) is intact")
     pending.clear()
+    settings.release_freed_memory()  # the compile's, and the step threads' arenas
     return loss
 
 
