@@ -6,13 +6,18 @@ schedule (create_scheduler_v2 stepped per update), loss, clip, accumulation and 
 optimizer moment and EMA tensor, and the lr (docs/recipes.md#the-loop-against-timm).
 
 Each tensor's bound is the tie's (`bounds.bound`): the f64 floor, or ten times how far timm's
-own loop moves when every micro-batch's rows are reversed (the same mathematics summed in
-another order). Its controls change one thing on timm's side — the scheduler stepped per epoch,
-the warmup from 0, BN momentum 0.01, the EMA's warmup, weight decay on BN and bias — and each
-must fail the comparison.
+own loop moves when every micro-batch's rows are reversed or its inputs nudged (the same
+mathematics rounded otherwise). Its controls change one thing on timm's side — the scheduler
+stepped per epoch, the warmup from 0, BN momentum 0.01, the EMA's warmup, weight decay on BN
+and bias — and each must fail the comparison: make test runs one per recipe, test-all all.
 """
 
 import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,17 +26,21 @@ from oracle_libs import timm, torch
 
 from twinstep.checking import bounds
 
-# test-all only: a float64 ResNet-50 run beside timm's loops peaks at 10.6-11.7 GB of RSS (its
-# replicated LAMB state, a checkpoint in flight and one read back, three torch loops), more than
-# make test's two workers can share on a 24 GB machine
-pytestmark = [pytest.mark.oracle, pytest.mark.slow, pytest.mark.all]
-STEPS, RES, REPLICAS = 12, 32, 2  # 12 optimizer steps cross the warmup's end (W = 1)
-RECIPES = {"adamw": "resnet50in_emaaccdp2x2wx",  # AdamW, EMA, k = 2
-           "lamb": "resnet50in_lambaccdp2x2wxclipbce"}  # LAMB, BCE, clip, k = 2
+# one worker runs them in order, each recipe's run shared by its tests; each run peaks at ~5 GB
+# (the CLI's process, then timm's three loops and one checkpoint) and writes ~8 GB of
+# checkpoints (every step's, deleted after the recipe's tests)
+pytestmark = [pytest.mark.oracle, pytest.mark.slow, pytest.mark.xdist_group("loop")]
+STEPS, REPLICAS = 12, 2  # 12 optimizer steps cross the warmup's end (W = 1)
+# recipe -> (name, resolution). AdamW needs 64²: at 32² ResNet-50's last stage is 1 x 1, its BNs
+# normalise 4 values, and timm's own loop, reordered, drifts tenfold a step — to O(1) by step 12
+# (docs/recipes.md#the-loop-against-timm); at 64² (16 values) it stays within 1e-11
+SETTINGS = {"adamw": ("resnet50in_emaaccdp2x2wx", 64),  # AdamW, EMA, k = 2
+            "lamb": ("resnet50in_lambaccdp2x2wxclipbce", 32)}  # LAMB, BCE, clip, k = 2
 CONTROLS = ("per-epoch", "warmup-from-0", "bn-momentum", "ema-warmup", "decay-everything")
+QUICK_CONTROL = "bn-momentum"  # make test's: one a tensor's bound must catch (~25 s a recipe)
 
 
-def _timm_loop(model, recipe, moved: str = "", control: str = "none"):
+def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none"):
     """timm's components, stepped as train.py steps them: yields a snapshot after every update
     (one at a time: a float64 ResNet-50 state with its moments and EMA is ~0.8 GB). ``moved``:
     "reversed" (every micro-batch's rows in reverse order) or "nudged" (every input times
@@ -43,7 +52,7 @@ def _timm_loop(model, recipe, moved: str = "", control: str = "none"):
     sched, per = timm_recipe.scheduler(opt, recipe, control)
     ema = timm_recipe.ema(model, recipe, control)
     loss_fn = timm_recipe.loss(recipe)
-    src = loader.source("digits", RES)
+    src = loader.source("digits", res)
     batches = loader.train_stream(src, loader.Augment(), 0, 0, STEPS, recipe.accum,
                                   REPLICAS * recipe.batch, 0)
     named = dict(model.named_parameters())
@@ -113,50 +122,61 @@ def _rows(ours: dict, ref: dict, sensitivity: dict) -> list[dict]:
     return rows
 
 
-def _compared(name: str, tmp, controls: tuple = ()) -> dict:
-    """`twinstep train` of recipe ``name`` with timm's loops stepped beside it: after each
-    optimizer step the checkpoint (written every step, the last few kept) is compared with
-    timm's loop, its reordered twin and each control's. Returns {"rows": {control: [rows of
-    every step]}, "lr": {control: [(ours, timm's)]}}."""
-    from twinstep import api
-    from twinstep.nets import get_net
-    from twinstep.training import state_dict
-    from twinstep.training.checkpoint import load_state
-    from twinstep.training.config import TrainConfig
+class LoopOracle:
+    """`twinstep train` of one recipe (the CLI, R = 2, every step checkpointed), then timm's
+    loops stepped against its checkpoints one step at a time: timm's own and its two moved
+    twins (their spread at each step sets every bound), and on demand each control's, held to
+    the same bounds. ``found[control]``: {"rows": [every tensor of every step], "lr": [(ours,
+    timm's) per step]}."""
 
-    out = str(tmp / "run")
-    recipe = TrainConfig(name, out, replicas=REPLICAS, res=RES, steps=STEPS,
-                         precision="f64").parsed_recipe()
-    torch.manual_seed(0)
-    model = timm.create_model(get_net(recipe.net).TIMM_NAME, num_classes=10).double()
-    weights = str(tmp / "start.safetensors")
-    state_dict.save(weights, {k: v.numpy() for k, v in model.state_dict().items()
-                              if not k.endswith("num_batches_tracked")})
-    twins = [_timm_loop(model, recipe, moved=m) for m in ("reversed", "nudged")]
-    loops = {c: _timm_loop(model, recipe, control=c) for c in ("none", *controls)
-             if c != "ema-warmup" or recipe.ema}
-    found = {"rows": {c: [] for c in loops}, "lr": {c: [] for c in loops}}
+    def __init__(self, kind: str, tmp):
+        from twinstep.nets import get_net
+        from twinstep.training import state_dict
+        from twinstep.training.config import TrainConfig
 
-    def compare(step: int, lr: float) -> None:
-        ours, refs = _ours(load_state(out, step)), {c: next(loop) for c, loop in loops.items()}
-        sensitivity = _sensitivity(refs["none"], [next(t) for t in twins])
-        for control, ref in refs.items():  # a control is held to timm's own noise floor
-            found["lr"][control].append((lr, ref["lr"]))
-            found["rows"][control] += [{**r, "step": step}
-                                       for r in _rows(ours, ref, sensitivity)]
+        self.name, self.res = SETTINGS[kind]
+        self.out = str(tmp / "run")
+        self.recipe = TrainConfig(self.name, self.out, replicas=REPLICAS, res=self.res,
+                                  steps=STEPS, precision="f64").parsed_recipe()
+        torch.manual_seed(0)
+        self.model = timm.create_model(get_net(self.recipe.net).TIMM_NAME,
+                                       num_classes=10).double()
+        weights = str(tmp / "start.safetensors")
+        state_dict.save(weights, {k: v.numpy() for k, v in self.model.state_dict().items()
+                                  if not k.endswith("num_batches_tracked")})
+        run = subprocess.run(
+            [sys.executable, "-m", "twinstep.cli", "train", self.name, "--out", self.out,
+             "--replicas", str(REPLICAS), "--res", str(self.res), "--steps", str(STEPS),
+             "--precision", "f64", "--ckpt-every", "1", "--keep", str(STEPS), "--eval-every",
+             str(STEPS), "--log-every", "1", "--init-from", weights],
+            capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+        with open(os.path.join(self.out, "metrics.jsonl")) as f:
+            self.lrs = [r["lr"] for r in map(json.loads, f) if "lr" in r]
+        assert len(self.lrs) == STEPS
+        self.sensitivity: dict = {}  # step -> {(group, name): timm's own spread}
+        self.found = {"none": self._compare("none")}
 
-    lrs = {}
+    def control(self, control: str) -> dict:
+        if control not in self.found:
+            self.found[control] = self._compare(control)
+        return self.found[control]
 
-    def progress(step: int, metrics: dict) -> None:
-        lrs[step] = metrics["lr"]
-        if step >= 2:  # step - 1's checkpoint is whole: step's own save waited for it
-            compare(step - 1, lrs[step - 1])
+    def _compare(self, control: str) -> dict:
+        from twinstep.training.checkpoint import load_state
 
-    api.train(name, out, replicas=REPLICAS, res=RES, steps=STEPS, precision="f64",
-              ckpt_every=1, keep=3, eval_every=STEPS, log_every=1, init_from=weights,
-              progress=progress)
-    compare(STEPS, lrs[STEPS])
-    return found
+        loop = _timm_loop(self.model, self.recipe, self.res, control=control)
+        twins = ([_timm_loop(self.model, self.recipe, self.res, moved=m)
+                  for m in ("reversed", "nudged")] if control == "none" else [])
+        found = {"rows": [], "lr": []}
+        for step, ref in enumerate(loop, 1):
+            if twins:
+                self.sensitivity[step] = _sensitivity(ref, [next(t) for t in twins])
+            ours = _ours(load_state(self.out, step))
+            found["lr"].append((self.lrs[step - 1], ref["lr"]))
+            found["rows"] += [{**r, "step": step}
+                              for r in _rows(ours, ref, self.sensitivity[step])]
+        return found
 
 
 def _err(name: str, ours: dict, ref: dict) -> float:
@@ -167,28 +187,16 @@ def _err(name: str, ours: dict, ref: dict) -> float:
     return bounds.grad_err(name, ours, ref)
 
 
-# AdamW + EMA from timm's initialisation at 32²: timm's own loop moves O(1) under a reordering
-# (Adam turns rounding noise in tiny gradient elements into +-lr steps), so every bound is too
-# loose to see a bug — inconclusive, as a tie would say; it needs a better-conditioned setting
-INCONCLUSIVE = pytest.mark.xfail(strict=True, reason="inconclusive: bounds above 1e-3")
+@pytest.fixture(scope="module", params=SETTINGS)
+def oracle(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("loop")
+    yield request.param, LoopOracle(request.param, tmp)
+    shutil.rmtree(tmp)  # ~8 GB of checkpoints
 
 
-@pytest.fixture(scope="module", params=["lamb", pytest.param("adamw", marks=INCONCLUSIVE)])
-def compared(request, tmp_path_factory):
-    return request.param, _compared(RECIPES[request.param], tmp_path_factory.mktemp("loop"))
-
-
-@pytest.fixture(scope="module", params=["lamb"])
-def controlled(request, tmp_path_factory):
-    """A run compared with every control's loop too (each holds a float64 ResNet-50, its
-    optimizer state and gradients, ~0.8 GB more)."""
-    return request.param, _compared(RECIPES[request.param], tmp_path_factory.mktemp("loop"),
-                                    CONTROLS)
-
-
-def test_the_loop_is_timms_every_tensor_every_step(compared):
-    kind, found = compared
-    rows, lrs = found["rows"]["none"], found["lr"]["none"]
+def test_the_loop_is_timms_every_tensor_every_step(oracle):
+    kind, found = oracle[0], oracle[1].found["none"]
+    rows, lrs = found["rows"], found["lr"]
     assert [a for a, _ in lrs] == pytest.approx([b for _, b in lrs], rel=1e-14)
     assert lrs[0][1] < lrs[1][1]  # the warmup's end is crossed
     bad = [f"{r['group']}/{r['name']} at step {r['step']}: {r['err']:.1e} > {r['bound']:.1e}"
@@ -204,15 +212,17 @@ def test_the_loop_is_timms_every_tensor_every_step(compared):
     assert len(worst) == (6 if kind == "adamw" else 4)
 
 
-@pytest.mark.parametrize("control", CONTROLS)
-def test_the_loop_oracle_sees_each_control(controlled, control):
+@pytest.mark.parametrize("control", [  # make test runs one, test-all every one
+    pytest.param(c, marks=() if c == QUICK_CONTROL else pytest.mark.all) for c in CONTROLS])
+def test_the_loop_oracle_sees_each_control(oracle, control):
     """Each control — on timm's side, against the same twinstep run — fails the comparison: the
     lr differs, or some tensor exceeds its bound."""
-    kind, found = controlled
-    if control not in found["rows"]:
+    kind = oracle[0]
+    if control == "ema-warmup" and kind != "adamw":
         pytest.skip("no EMA in this recipe")
-    lr_off = any(a != pytest.approx(b, rel=1e-14) for a, b in found["lr"][control])
-    failing = [r for r in found["rows"][control] if not r["ok"]]
+    found = oracle[1].control(control)
+    lr_off = any(a != pytest.approx(b, rel=1e-14) for a, b in found["lr"])
+    failing = [r for r in found["rows"] if not r["ok"]]
     print(kind, control, "lr differs;" if lr_off else "", len(failing), "rows fail, worst "
           "err/bound", max((r["err"] / r["bound"] for r in failing), default=None))
     assert lr_off or failing
