@@ -268,8 +268,12 @@ def test_a_nan_stops_at_its_step_and_a_cut_off_checkpoint_write_leaves_the_last_
     assert int(load_state(tmp_path / "run")["step"]) == 4
     monkeypatch.setattr(stand_in, "nan_at", None)
     resumed = []
-    loop.run(dataclasses.replace(cfg, resume=True), progress=lambda s, m: resumed.append(s))
-    assert resumed[0] == 5 and int(load_state(tmp_path / "run")["step"]) == 8
+    loop.run(dataclasses.replace(cfg, resume=True),
+             progress=lambda s, m: resumed.append((s, m.get("phase"))))
+    assert resumed[0] == (5, None) and int(load_state(tmp_path / "run")["step"]) == 8
+    # the evaluation at step 8 is announced as it starts (the bar's "compiling the
+    # evaluation..."), then step 8 is told of with its result
+    assert resumed[-3:] == [(7, None), (8, "compiling the evaluation"), (8, None)]
     # control: --resume on a RUN_DIR with no run is refused
     with pytest.raises(UsageError, match="--resume: .* holds no run"):
         loop.run(TrainConfig(RECIPE, str(tmp_path / "new"), resume=True))

@@ -183,7 +183,8 @@ def train(recipe: str, out: str, progress=None, warn=None, **config) -> dict:
     "digits" or an image folder —, replicas, batch, res, eval_res, steps or epochs, eval_every,
     ckpt_every, keep, log_every, precision, seed, workers, loader — "pillow" or "dali" —,
     randaugment, mixup, cutmix, init_from, artifact, resume, fast_compile); ``progress(step,
-    metrics)`` is told of every step, ``warn(text)`` once of images that do not decode."""
+    metrics)`` is told of every step and of each evaluation as it starts (metrics["phase"]),
+    ``warn(text)`` once of images that do not decode."""
     from twinstep.processes import disk
     from twinstep.training import loop
     from twinstep.training.config import TrainConfig

@@ -138,8 +138,9 @@ def run(args, parser) -> int:
 
 @contextlib.contextmanager
 def progress(total: int, quiet: bool = False):
-    """A progress bar on stderr — step, epoch, loss, lr, img/s, ETA — yielding ``update(step,
-    metrics)`` (a no-op when ``quiet`` or stderr is not a terminal)."""
+    """A progress bar on stderr — step, epoch, loss, lr, img/s, ETA, the last top-1 and what
+    runs between steps (an evaluation) — yielding ``update(step, metrics)`` (a no-op when
+    ``quiet`` or stderr is not a terminal)."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -162,7 +163,8 @@ def progress(total: int, quiet: bool = False):
             text = (f"epoch {m['epoch']:.2f}  loss {m['loss']:.3f}  lr {m['lr']:.2e}  "
                     f"{m['img_per_s']:.0f} img/s" + (
                         f"  val top-1 {raw['top1']:.1%} ({raw['top1_low']:.1%}–"
-                        f"{raw['top1_high']:.1%})" if raw else ""))
+                        f"{raw['top1_high']:.1%})" if raw else "") + (
+                    f"  {m['phase']}..." if "phase" in m else ""))
             bar.update(task, completed=step, text=text)
 
         yield update

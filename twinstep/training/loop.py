@@ -28,16 +28,18 @@ from twinstep.training.config import TrainConfig, check_run_dir
 from twinstep.training.run_log import RunLog
 from twinstep.training.watchdog import Watchdog
 
+EVAL_PHASES = ("compiling the evaluation", "evaluating")  # the first evaluation compiles
+
 
 class NonFinite(RuntimeError):
     """The loss went NaN or infinite; the last checkpoint is intact."""
 
 
 def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
-    """Train; returns the last evaluation. ``progress(step, metrics)`` is told of every step;
-    ``warn(text)`` once of images that do not decode. With several processes
-    (`twinstep.processes.cluster`) every process runs this together: each loads its replicas'
-    rows, process 0 alone writes the config and the logs, all checkpoint together."""
+    """Train; returns the last evaluation. ``progress(step, metrics)`` is told of every step and
+    of each evaluation as it starts (metrics["phase"]); ``warn(text)`` once of undecodable
+    images. With several processes (`twinstep.processes.cluster`) all run this together: each
+    loads its replicas' rows, process 0 alone writes the config and logs; all checkpoint."""
     # --- set-up: the recipe, the data (a folder is scanned, and refused, before compiling),
     # RUN_DIR (read by every process before process 0 writes it), the programs
     recipe = cfg.parsed_recipe()
@@ -76,8 +78,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     say = progress if progress and cluster.is_primary() else (lambda step, metrics: None)
     warn = warn or (lambda text: None)
     last_eval, skipped, pending, t0 = {}, 0, [], time.perf_counter()
-    record = {"step": start, "epoch": 0.0, "loss": math.nan, "lr": math.nan, "skipped": 0,
-              "img_per_s": 0.0}
+    record = dict(step=start, epoch=0.0, loss=math.nan, lr=math.nan, skipped=0, img_per_s=0.0)
     dog = Watchdog(cfg.stall_timeout, jax.process_index(), cluster.count())
     with _run_log(cfg.out, start) as log, checkpoints, contextlib.closing(stream), dog:
         for s, (batch, sk) in zip(range(start, cfg.steps), _ahead(stream, cfg), strict=True):
@@ -106,6 +107,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
             if logs:
                 log.train({**record, "skipped": int(cluster.total([skipped])[0])})
             if evals:
+                say(done, {**record, "phase": EVAL_PHASES[bool(last_eval)]})
                 with dog.paused(not last_eval):  # the first evaluation compiles
                     last_eval, correct = evaluation.evaluate(src, cfg, state, eval_fn)
                 log.eval(done, last_eval)
