@@ -13,6 +13,7 @@ at R = 2 and 4 over three steps, are marked ``all``. How each replica takes its 
 global masks, both kinds, is checked below without a network.
 """
 
+import os
 import subprocess
 import sys
 
@@ -50,7 +51,7 @@ def fields(report: trajectory.StepsReport) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [STEP_FEATURES,
                                   pytest.param(EVERY_FEATURE, marks=pytest.mark.all)])
-def test_step_features_tie_over_two_steps(name):
+def test_step_features_tie_over_two_steps(name, tmp_path):
     """Two steps: the first at lr(0) = 0 moves the optimizer state, the running statistics and
     the EMA; the second moves the parameters from there. (Its controls: replicated masks break
     this tie in test-all, `test_replicated_masks_break_the_step_features_tie`; in make test the
@@ -63,6 +64,11 @@ def test_step_features_tie_over_two_steps(name):
     rows = fields(report)
     assert len(rows["params"]) == 233 and len(rows["buffers"]) == 2 * 77
     assert len(rows["opt_state"]) >= 2 * 233 and len(rows["ema"]) == 233 + 2 * 77
+    # its picture (`tie --recipe --plot`, `twinstep plot REPORT.json`)
+    from twinstep.checking import picture
+
+    png = str(tmp_path / "steps.png")
+    assert picture.draw(report.to_json(), png) == png and os.path.getsize(png) > 10_000
 
 
 @pytest.mark.slow

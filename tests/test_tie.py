@@ -208,7 +208,7 @@ def test_resnet50_tie_sweep(replicas, batch, shift, seed, loss):
 def test_cli_exit_codes_json_and_picture(tmp_path, capsys):
     """The R = 2 CE tie of `test_resnet50_ties_f64` through the CLI: in `make test` its programs
     come from the run's compilation cache. Its report as JSON and as a picture (--plot, and
-    `twinstep plot REPORT.json`); a picture of what is not a one-step tie is refused."""
+    `twinstep plot REPORT.json`); a picture of what is not a report is refused."""
     from twinstep.cli.main import main
 
     out, png = tmp_path / "tie.json", tmp_path / "tie.png"
@@ -220,10 +220,10 @@ def test_cli_exit_codes_json_and_picture(tmp_path, capsys):
     assert f"picture: {png}" in ok.stdout and png.read_bytes()[:4] == b"\x89PNG"
     assert main(["plot", str(out)]) == 0 and (tmp_path / "tie.png").stat().st_size > 10_000
     assert main(["plot", str(out), "--out", str(tmp_path / "again.png")]) == 0
+    (tmp_path / "other.json").write_text('{"steps": 2}')
     for argv, message in ((["plot", str(tmp_path / "again.png")], "neither a run's folder"),
                           (["tie", "resnet50", "--plot", "x.jpg"], "a .png file name"),
-                          (["tie", "--recipe", "resnet50in_lamb", "--plot", "x.png"],
-                           "a one-step tie")):
+                          (["plot", str(tmp_path / "other.json")], "neither a tie's report")):
         capsys.readouterr()
         assert main(argv) == 2, argv
         err = capsys.readouterr().err

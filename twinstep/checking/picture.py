@@ -1,8 +1,9 @@
 """Reports as pictures (docs/tie.md#the-picture). A tie's (``twinstep tie --plot``,
 ``twinstep plot REPORT.json``): every parameter's relative error and its bound along the
-network's depth on a log scale, the BN sites and the loss marked, the verdict in the title. The
-certification's (``twinstep certify --plot``): every check's error as a multiple of its bound,
-the negative controls beside them.
+network's depth on a log scale, the BN sites and the loss marked, the verdict in the title. A
+whole-step tie's (``--recipe`` / ``--render``): every state tensor's error over its bound at
+each step, by part of the state. The certification's (``twinstep certify --plot``): every
+check's error as a multiple of its bound, the negative controls beside them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ def is_tie_report(report) -> bool:
     """Whether ``report`` (a JSON object) is a one-step tie's (`twinstep tie NET --json`)."""
     return isinstance(report, dict) and {"parameters", "bn_sites", "loss",
                                          "verdict"} <= set(report)
+
+
+def is_steps_report(report) -> bool:
+    """Whether ``report`` is a whole-step tie's (`twinstep tie --recipe | --render --json`)."""
+    return isinstance(report, dict) and {"steps", "config", "verdict"} <= set(report)
 
 
 def is_certification_report(report) -> bool:
@@ -69,6 +75,57 @@ def draw_tie(report: dict, out: str) -> str:
                  fontsize=10,
                  color="tab:green" if report["ok"] else "tab:red")
     return disk.publish_png(fig, out)
+
+
+def draw_steps(report: dict, out: str) -> str:
+    """Draw the whole-step tie ``report`` (`trajectory.StepsReport.to_json`) into the PNG
+    ``out``: at each step every state tensor's error over its bound (at most 1 to hold), side
+    by side by part of the state (params, buffers, each optimizer state, EMA, ...), and the
+    loss's; returns its path."""
+    fig = disk.png_figure(out, "--plot", (12, 4.6))
+    ax = fig.subplots()
+    fig.subplots_adjust(left=0.07, right=0.99, bottom=0.11, top=0.84)
+    ax.set_yscale("log")
+    parts = list(dict.fromkeys(r["name"].rsplit("/", 1)[0] for s in report["steps"]
+                               for r in s["rows"]))
+    width, top = 0.8 / (len(parts) + 1), 10.0  # a step's parts side by side, the loss last
+    for k, part in enumerate([*parts, "loss"]):
+        xs, ys, bad = [], [], []
+        for s in report["steps"]:
+            rows = [s["loss"]] if part == "loss" else [
+                r for r in s["rows"] if r["name"].rsplit("/", 1)[0] == part]
+            xs += [s["step"] - 0.4 + (k + 0.5) * width] * len(rows)
+            ys += [max(r["rel_err"] / r["bound"], FLOOR) if r["bound"] else FLOOR for r in rows]
+            bad += [not r["ok"] for r in rows]
+        top = max(top, 3 * max(ys))
+        ax.scatter(xs, ys, s=40 if part == "loss" else 7, marker="*" if part == "loss" else "o",
+                   color=f"C{k}", edgecolor=["tab:red" if b else "none" for b in bad],
+                   label=f"{part} ({len(ys) // len(report['steps'])})", zorder=3)
+    ax.axhline(1.0, color="0.45", lw=1, label="the bound")
+    ax.axhline(FLOOR, ls=":", color="0.6", lw=0.8)
+    ax.set_ylim(FLOOR / 3, top)
+    ax.set_xticks([s["step"] for s in report["steps"]])
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("error / bound (replicas vs one device)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, loc="lower left", ncol=4, framealpha=0.9)
+    c = report["config"]
+    what = report.get("artifact") or c["recipe"]
+    fig.suptitle(f"{what}: R = {c['replicas']} x N = {c['batch']} vs one device, "
+                 f"{len(report['steps'])} whole steps, {c['res']}², {c['precision']}, control "
+                 f"{c['control']}\n" + textwrap.fill(report["verdict"], 150, max_lines=2),
+                 fontsize=10, color="tab:green" if report["ok"] else "tab:red")
+    return disk.publish_png(fig, out)
+
+
+def draw(report: dict, out: str) -> str:
+    """Draw whichever report ``report`` is (a tie's, a whole-step tie's, the
+    certification's); ValueError if none."""
+    for is_kind, drawer in ((is_tie_report, draw_tie), (is_steps_report, draw_steps),
+                            (is_certification_report, draw_certification)):
+        if is_kind(report):
+            return drawer(report, out)
+    raise ValueError("neither a tie's, a whole-step tie's nor a certification's report")
 
 
 def draw_certification(report: dict, out: str) -> str:

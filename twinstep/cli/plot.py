@@ -9,8 +9,9 @@ def add(p) -> None:
                      "top-1 of the raw and EMA weights — from RUN_DIR/metrics.jsonl into a PNG; "
                      "or a report saved with 'twinstep tie NET --json REPORT.json' (every "
                      "parameter's error and bound along the net) or 'twinstep certify --json' "
-                     "(every check's error over its bound). Exit 0 when written, 2 on bad "
-                     "usage.")
+                     "(every check's error over its bound); a whole-step tie's ('tie --recipe' "
+                     "or '--render') draws each state tensor's error over its bound at each "
+                     "step. Exit 0 when written, 2 on bad usage.")
     p.add_argument("run_dir", metavar="RUN_DIR|REPORT.json",
                    help="a run's folder ('twinstep train --out'), or a tie's or a "
                    "certification's JSON report")
@@ -37,11 +38,10 @@ def run(args, parser) -> int:
         raise UsageError(f"{args.run_dir}: neither a run's folder nor a JSON report ({e})") \
             from None
     out = args.out or os.path.splitext(args.run_dir)[0] + ".png"
-    if picture.is_tie_report(report):
-        print(picture.draw_tie(report, out))
-    elif picture.is_certification_report(report):
-        print(picture.draw_certification(report, out))
-    else:
-        raise UsageError(f"{args.run_dir}: neither a one-step tie's report ('twinstep tie NET "
-                         f"--json') nor a certification's ('twinstep certify --json')")
+    try:
+        print(picture.draw(report, out))
+    except ValueError:
+        raise UsageError(f"{args.run_dir}: neither a tie's report ('twinstep tie --json', one "
+                         f"step or whole steps) nor a certification's ('twinstep certify "
+                         f"--json')") from None
     return 0

@@ -79,7 +79,8 @@ def add(p) -> None:
     options.json_out(p, "write the full report as JSON (docs/tie.md#json)")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the report: every "
                    "parameter's error and bound along the net, the BN sites and the loss, the "
-                   "verdict in the title (a one-step tie; docs/tie.md#the-picture)")
+                   "verdict in the title; with --recipe or --render every state tensor's error "
+                   "over its bound at each step (docs/tie.md#the-picture)")
     options.cluster(p)
 
 
@@ -113,9 +114,6 @@ def run(args, parser) -> int:
     elif args.steps is not None and args.recipe is None:
         parser.error("--steps needs --recipe or --render (whole training steps)")
     if args.plot is not None:
-        if args.render is not None or args.recipe is not None:
-            raise UsageError("--plot draws a one-step tie ('twinstep tie NET'), not --recipe "
-                             "or --render")
         if not args.plot.lower().endswith(".png"):
             raise UsageError(f"--plot {args.plot}: a .png file name")
         disk.check_writable_file(args.plot, "--plot")
@@ -144,7 +142,7 @@ def run(args, parser) -> int:
             print(f"render: {args.render} (sha256 {sha['sha256'][:16]}...)")
         options.write_json(args.json, result.to_json())
         if args.plot is not None:
-            print(f"picture: {picture.draw_tie(result.to_json(), args.plot)}")
+            print(f"picture: {picture.draw(result.to_json(), args.plot)}")
     # every process ends with process 0, once it has reported (the launcher stops the rest of
     # a run at its first non-zero exit)
     cluster.barrier("tie reported")
