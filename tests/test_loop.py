@@ -9,7 +9,8 @@ Each tensor's bound is the tie's (`bounds.bound`): the f64 floor, or ten times h
 own loop moves when every micro-batch's rows are reversed or its inputs nudged (the same
 mathematics rounded otherwise). Its controls change one thing on timm's side — the scheduler
 stepped per epoch, the warmup from 0, BN momentum 0.01, the EMA's warmup, weight decay on BN
-and bias — and each must fail the comparison: make test runs one per recipe, test-all all.
+and bias, stochastic depth's masks drawn by torch — and each must fail the comparison: make
+test runs one per recipe, test-all all.
 """
 
 import copy
@@ -36,20 +37,62 @@ STEPS, REPLICAS = 12, 2  # 12 optimizer steps cross the warmup's end (W = 1)
 # 1 x 1, its BNs normalise 4 values, and timm's reordered loop drifts tenfold a step
 SETTINGS = {"adamw": ("resnet50in_emaaccdp2x2wx", 64, None),  # AdamW, EMA, k = 2
             "lamb": ("resnet50in_lambaccdp2x2wxclipbce", 32, None),  # LAMB, BCE, clip, k = 2
-            "rsb-a3": ("rsb-a3", 64, 2)}  # the preset at N = 2 (no warmup in 12 steps)
+            "rsb-a1": ("rsb-a1", 64, 2),  # the presets at N = 2 (no warmup in 12 steps):
+            "rsb-a2": ("rsb-a2", 64, 2),  # LAMB, BCE with its threshold, stochastic depth,
+            "rsb-a3": ("rsb-a3", 64, 2)}  # label smoothing (a1)
 IN_MAKE_TEST = ("adamw", "lamb")  # the others, and every control but QUICK_CONTROL: test-all
-CONTROLS = ("per-epoch", "warmup-from-0", "bn-momentum", "ema-warmup", "decay-everything")
+# timm_recipe's five, and stochastic depth's masks drawn by torch ("own-masks")
+CONTROLS = ("per-epoch", "warmup-from-0", "bn-momentum", "ema-warmup", "decay-everything",
+            "own-masks")
 QUICK_CONTROL = "bn-momentum"  # make test's: one a tensor's bound must catch (~25 s a recipe)
+
+
+class _DropPath(torch.nn.Module):
+    """timm's DropPath of rate ``drop`` applying ``mask`` — twinstep's draw of the rows kept,
+    each 0 or 1 / keep (`twinstep.step.draw_masks`) — instead of a draw of torch's own."""
+
+    def __init__(self, drop: float):
+        super().__init__()
+        self.keep, self.mask = 1.0 - drop, None
+
+    def forward(self, x):
+        assert set(np.unique(self.mask)) <= {0.0, 1.0 / self.keep}  # timm's rate is twinstep's
+        return x * torch.tensor(self.mask).view(-1, 1, 1, 1)
+
+
+def _drop_paths(model, recipe, step: int, micro: int) -> np.ndarray:
+    """Gives each of ``model``'s DropPath modules (`_DropPath`s) its rows of the masks twinstep
+    draws for micro-step ``micro`` of optimizer step ``step`` (0-based) of a seed-0 run: the
+    step's key as `twinstep.training.loop` folds it, the micro-step's as `twinstep.step`."""
+    import jax
+
+    from twinstep import step as steps
+    from twinstep.nets import get_net
+
+    net = get_net(recipe.net)
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), step), micro)
+    masks = np.asarray(steps.draw_masks(net, recipe, key, REPLICAS * recipe.batch,
+                                        np.float64)["drop_path"])
+    for site, mask in zip(net.DROP_PATH_SITES, masks, strict=True):
+        drop = model.get_submodule(site).drop_path
+        if drop is None:  # timm's rate 0 (the first block): no module, and twinstep keeps all
+            assert np.all(mask == 1)
+        else:
+            drop.mask = mask
 
 
 def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none"):
     """timm's components, stepped as train.py steps them: yields a snapshot after every update
     (one at a time: a float64 ResNet-50 state with its moments and EMA is ~0.8 GB). ``moved``:
-    "reversed" (every micro-batch's rows in reverse order) or "nudged" (every input times
-    1 + a rounding-sized N(0, 1) draw): the same mathematics, the noise floor's twins."""
+    "reversed" (every micro-batch's rows in reverse order, their drop-path masks alike) or
+    "nudged" (every input times 1 + a rounding-sized N(0, 1) draw): the same mathematics, the
+    noise floor's twins."""
     from twinstep.data import loader
 
     model = copy.deepcopy(model)
+    for name, m in list(model.named_modules()):
+        if type(m).__name__ == "DropPath" and control != "own-masks":
+            model.get_submodule(name.rsplit(".", 1)[0]).drop_path = _DropPath(m.drop_prob)
     opt = timm_recipe.optimizer(model, recipe, control)
     sched, per = timm_recipe.scheduler(opt, recipe, control)
     ema = timm_recipe.ema(model, recipe, control)
@@ -62,11 +105,16 @@ def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none"):
     updates = 0
     for xs, labels, *_ in batches:
         lr = opt.param_groups[0]["lr"]
-        for x, y in zip(xs, labels, strict=True):
+        for micro, (x, y) in enumerate(zip(xs, labels, strict=True)):
+            if recipe.drop and control != "own-masks":
+                _drop_paths(model, recipe, updates, micro)
             x = torch.tensor(np.asarray(x, np.float64).transpose(0, 3, 1, 2))
             y = torch.tensor(np.asarray(y, np.int64))
             if moved == "reversed":
                 x, y = x.flip(0), y.flip(0)
+                for m in model.modules():
+                    if isinstance(m, _DropPath):
+                        m.mask = m.mask[::-1].copy()
             elif moved == "nudged":
                 u = np.random.default_rng([updates, len(x)]).standard_normal(x.shape)
                 x = x * (1 + bounds.perturbation(np.float64) * torch.tensor(u))
@@ -143,8 +191,9 @@ class LoopOracle:
         self.recipe = TrainConfig(self.name, self.out, replicas=REPLICAS, res=self.res,
                                   batch=batch, steps=STEPS, precision="f64").parsed_recipe()
         torch.manual_seed(0)
-        self.model = timm.create_model(get_net(self.recipe.net).TIMM_NAME,
-                                       num_classes=10).double()
+        self.model = timm.create_model(  # its DropPath modules: `_DropPath`s in each loop
+            get_net(self.recipe.net).TIMM_NAME, num_classes=10,
+            drop_path_rate=self.recipe.drop_path_rate if self.recipe.drop else 0.0).double()
         weights = str(tmp / "start.safetensors")
         state_dict.save(weights, {k: v.numpy() for k, v in self.model.state_dict().items()
                                   if not k.endswith("num_batches_tracked")})
@@ -230,6 +279,8 @@ def test_the_loop_oracle_sees_each_control(oracle, control):
         pytest.skip("no EMA in this recipe")
     if control == "warmup-from-0" and not recipe.warmup_steps:
         pytest.skip("no warmup in this recipe's 12 steps")
+    if control == "own-masks" and not recipe.drop:
+        pytest.skip("no stochastic depth in this recipe")
     found = oracle[1].control(control)
     lr_off = any(a != pytest.approx(b, rel=1e-14) for a, b in found["lr"])
     failing = [r for r in found["rows"] if not r["ok"]]
