@@ -27,7 +27,7 @@ from oracle_libs import timm, torch
 
 from twinstep.checking import bounds
 
-# one worker runs them in order, each recipe's run shared by its tests; each run peaks at ~5 GB
+# one worker runs them in order, each recipe's run shared by its tests; a recipe peaks at ~6.5 GB
 # (the CLI's process, then timm's three loops and one checkpoint) and writes ~8 GB of
 # checkpoints (every step's, deleted after the recipe's tests)
 pytestmark = [pytest.mark.oracle, pytest.mark.slow, pytest.mark.xdist_group("loop")]
@@ -37,9 +37,9 @@ STEPS, REPLICAS = 12, 2  # 12 optimizer steps cross the warmup's end (W = 1)
 # 1 x 1, its BNs normalise 4 values, and timm's reordered loop drifts tenfold a step
 SETTINGS = {"adamw": ("resnet50in_emaaccdp2x2wx", 64, None),  # AdamW, EMA, k = 2
             "lamb": ("resnet50in_lambaccdp2x2wxclipbce", 32, None),  # LAMB, BCE, clip, k = 2
-            "rsb-a1": ("rsb-a1", 64, 2),  # the presets at N = 2 (no warmup in 12 steps):
-            "rsb-a2": ("rsb-a2", 64, 2),  # LAMB, BCE with its threshold, stochastic depth,
-            "rsb-a3": ("rsb-a3", 64, 2)}  # label smoothing (a1)
+            # the presets at N = 2, k = 1 (no warmup in 12 steps): LAMB and BCE with their
+            # lr, weight decay, threshold, smoothing (a1); stochastic depth (a1, a2)
+            "rsb-a1": ("rsb-a1", 64, 2), "rsb-a2": ("rsb-a2", 64, 2), "rsb-a3": ("rsb-a3", 64, 2)}
 IN_MAKE_TEST = ("adamw", "lamb")  # the others, and every control but QUICK_CONTROL: test-all
 # timm_recipe's five, and stochastic depth's masks drawn by torch ("own-masks")
 CONTROLS = ("per-epoch", "warmup-from-0", "bn-momentum", "ema-warmup", "decay-everything",
@@ -60,7 +60,7 @@ class _DropPath(torch.nn.Module):
         return x * torch.tensor(self.mask).view(-1, 1, 1, 1)
 
 
-def _drop_paths(model, recipe, step: int, micro: int) -> np.ndarray:
+def _drop_paths(model, recipe, step: int, micro: int) -> None:
     """Gives each of ``model``'s DropPath modules (`_DropPath`s) its rows of the masks twinstep
     draws for micro-step ``micro`` of optimizer step ``step`` (0-based) of a seed-0 run: the
     step's key as `twinstep.training.loop` folds it, the micro-step's as `twinstep.step`."""
