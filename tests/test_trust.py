@@ -312,3 +312,22 @@ def test_a_bias_gradient_below_its_dtypes_floor_is_compared_against_zero(dtype, 
         ours = {"bn.weight": gamma, "bn.bias": np.full(4, -scale, dtype)}
         err = grad_err("bn.bias", ours, ref)
         assert err == pytest.approx(0.4 * floor if expected == "zero" else 2.0, rel=1e-3)
+
+
+def test_a_running_mean_below_the_floor_is_compared_against_zero_on_its_spread():
+    """`bounds.grad_err` on states: a running mean under FLOOR x the norm of its running
+    variance's square root (the next BN's mean of a BN's output through a linear map: its
+    bias's image, a structural zero) is held to zero on that scale; above it, norm-relative. Its
+    control: ours far from zero on that scale is caught all the same."""
+    import numpy as np
+
+    from twinstep.checking.bounds import PARAM_FLOOR, grad_err
+
+    floor, var = PARAM_FLOOR["float64"], np.full(4, 4.0)  # sqrt: 2 each, norm 4
+    for mean, expected in ((0.4 * floor, 0.2 * floor), (3 * floor, 2.0)):
+        ref = {"bn.running_mean": np.full(4, mean), "bn.running_var": var}
+        ours = {"bn.running_mean": np.full(4, -mean), "bn.running_var": var}
+        assert grad_err("bn.running_mean", ours, ref) == pytest.approx(expected, rel=1e-3)
+    ref = {"bn.running_mean": np.full(4, 0.4 * floor), "bn.running_var": var}
+    wrong = {"bn.running_mean": np.full(4, 0.1), "bn.running_var": var}  # 0.1 std off
+    assert grad_err("bn.running_mean", wrong, ref) == pytest.approx(0.05, rel=1e-9)

@@ -60,20 +60,29 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / (d if d > 0 else 1.0))
 
 
+# a BN's shift -> its spread, and how the spread's tensor gives its scale (`grad_err`)
+BN_SHIFTS = {"bias": ("weight", np.abs), "running_mean": ("running_var", np.sqrt)}
+
+
 def grad_err(name: str, ours, ref) -> float:
-    """`rel` of ours[name] against ref[name], except for a BN bias whose gradient is below its
-    dtype's PARAM_FLOOR on the scale of its BN's gamma gradient: there no relative comparison
-    means anything, so both are compared against zero on that scale. Such a zero is usually
-    structural — the BN's output reaches another BN through a linear map only (MobileNetV4's
-    dw_start BNs), so its exact gradient is 0 and any two computations return rounding noise."""
+    """`rel` of ours[name] against ref[name], except for a BN's shift — its bias (or the bias's
+    gradient), its running mean — below its dtype's PARAM_FLOOR on the scale of its BN's spread
+    (gamma or gamma's gradient; the running variance's square root): there no relative
+    comparison means anything, so both are compared against zero on that scale. Such a zero is
+    usually structural — the BN's output reaches another BN through a linear map only
+    (MobileNetV4's dw_start and pw_proj BNs), so its bias's exact gradient is 0, the next BN's
+    batch mean is its bias's image, and any two computations return rounding noise."""
     a, b = ours[name], ref[name]
-    gamma = name[:-len("bias")] + "weight"
-    if name.endswith(".bias") and gamma in ref and np.ndim(ref[gamma]) == 1:
-        scale = float(np.linalg.norm(host(ref[gamma])))
-        dtype = np.dtype(getattr(b, "dtype", np.float64)).name
-        floor = PARAM_FLOOR.get(dtype, PARAM_FLOOR["float64"])
-        if np.linalg.norm(host(b)) <= floor * scale:
-            return float(max(np.linalg.norm(host(a)), np.linalg.norm(host(b))) / scale)
+    shift = name.rsplit(".", 1)[-1]
+    if shift in BN_SHIFTS:
+        spread, to_scale = BN_SHIFTS[shift]
+        other = name[:-len(shift)] + spread
+        if other in ref and np.ndim(ref[other]) == 1:
+            scale = float(np.linalg.norm(to_scale(host(ref[other]))))
+            dtype = np.dtype(getattr(b, "dtype", np.float64)).name
+            floor = PARAM_FLOOR.get(dtype, PARAM_FLOOR["float64"])
+            if np.linalg.norm(host(b)) <= floor * scale:
+                return float(max(np.linalg.norm(host(a)), np.linalg.norm(host(b))) / scale)
     return rel(a, b)
 
 
