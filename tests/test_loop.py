@@ -7,9 +7,11 @@ optimizer moment and EMA tensor, and the lr (docs/recipes.md#the-loop-against-ti
 
 Each tensor's bound is the tie's (`bounds.bound`): the f64 floor, or ten times how far timm's
 own loop moves when every micro-batch's rows are reversed or its inputs nudged (the same
-mathematics rounded otherwise). Its controls change one thing on timm's side — the scheduler
-stepped per epoch, the warmup from 0, BN momentum 0.01, the EMA's warmup, weight decay on BN
-and bias, stochastic depth's masks drawn by torch — and each must fail the comparison: make
+mathematics rounded otherwise). Where that loop is chaotic (FROM_OURS: MobileNetV4 under AdamW,
+SGD) each of timm's updates starts from twinstep's state before it, so every step is held to
+one step's noise. Its controls change one thing on timm's side — the scheduler stepped per
+epoch, the warmup from 0, BN momentum 0.01, the EMA's warmup, weight decay on BN and bias,
+stochastic depth's and dropout's masks drawn by torch — and each must fail the comparison: make
 test runs AdamW + EMA with one control, test-all every recipe with every control.
 """
 
@@ -41,11 +43,18 @@ SETTINGS = {"adamw": ("resnet50in_emaaccdp2x2wx", 64, None),  # AdamW, EMA, k = 
             # lr, weight decay, threshold, smoothing (a1); stochastic depth (a1, a2)
             "rsb-a1": ("rsb-a1", 64, 2), "rsb-a2": ("rsb-a2", 64, 2), "rsb-a3": ("rsb-a3", 64, 2),
             # MobileNetV4 under AdamW is chaotic at every size tried; LAMB at N = 8 is not
-            "mnv4-lamb": ("mnv4in_lambdp8wxbce", 64, None)}
+            "mnv4-lamb": ("mnv4in_lambdp8wxbce", 64, None),
+            # chaotic loops, held step by step (FROM_OURS): the MobileNetV4 preset (AdamW,
+            # stochastic depth, dropout) and SGD with momentum, then Nesterov (no wx)
+            "mnv4-conv-m": ("mnv4-conv-m", 32, 2), "mom": ("resnet50in_momdp2", 32, None),
+            "sgd": ("resnet50in_sgddp2", 32, None)}
+# where timm's own loop is chaotic (its reordered twin drifts tenfold a step) each of timm's
+# updates starts from twinstep's state before it: every step is timm's step, from the same state
+FROM_OURS = ("mnv4-conv-m", "mom", "sgd")
 # make test's, with QUICK_CONTROL: in CI's contention the two ResNet-50 recipes took 13 min of
 # one worker (AdamW 7.4, LAMB 5.9) and make test 21.5 min; the rest, every control: test-all
 IN_MAKE_TEST = ("adamw",)
-# timm_recipe's five, and stochastic depth's masks drawn by torch ("own-masks")
+# timm_recipe's five, and stochastic depth's and dropout's masks drawn by torch ("own-masks")
 CONTROLS = ("per-epoch", "warmup-from-0", "bn-momentum", "ema-warmup", "decay-everything",
             "own-masks")
 QUICK_CONTROL = "bn-momentum"  # one a tensor's bound must catch (30 s alone, 73 s in CI)
@@ -64,8 +73,23 @@ class _DropPath(torch.nn.Module):
         return x * torch.tensor(self.mask).view(-1, 1, 1, 1)
 
 
-def _drop_paths(model, recipe, step: int, micro: int) -> None:
-    """Gives each of ``model``'s DropPath modules (`_DropPath`s) its rows of the masks twinstep
+class _Dropout(torch.nn.Module):
+    """timm's classifier dropout (`F.dropout` in MobileNetV3's forward_head, turned off by its
+    ``drop_rate`` = 0) applying ``mask`` [rows, features] — twinstep's draw — before the
+    classifier, through a forward pre-hook."""
+
+    def __init__(self, drop: float, classifier):
+        super().__init__()
+        self.keep, self.mask = 1.0 - drop, None
+        classifier.register_forward_pre_hook(lambda _, args: (self(args[0]),))
+
+    def forward(self, x):
+        assert set(np.unique(self.mask)) <= {0.0, 1.0 / self.keep}
+        return x * torch.tensor(self.mask)
+
+
+def _hand_masks(model, recipe, step: int, micro: int) -> None:
+    """Gives ``model``'s `_DropPath` and `_Dropout` modules their rows of the masks twinstep
     draws for micro-step ``micro`` of optimizer step ``step`` (0-based) of a seed-0 run: the
     step's key as `twinstep.training.loop` folds it, the micro-step's as `twinstep.step`."""
     import jax
@@ -75,28 +99,35 @@ def _drop_paths(model, recipe, step: int, micro: int) -> None:
 
     net = get_net(recipe.net)
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), step), micro)
-    masks = np.asarray(steps.draw_masks(net, recipe, key, REPLICAS * recipe.batch,
-                                        np.float64)["drop_path"])
-    for site, mask in zip(net.DROP_PATH_SITES, masks, strict=True):
+    masks = {k: np.asarray(m) for k, m in steps.draw_masks(
+        net, recipe, key, REPLICAS * recipe.batch, np.float64).items()}
+    for site, mask in zip(net.DROP_PATH_SITES, masks.get("drop_path", ()), strict=True):
         drop = model.get_submodule(site).drop_path
         if drop is None:  # timm's rate 0 (the first block): no module, and twinstep keeps all
             assert np.all(mask == 1)
         else:
             drop.mask = mask
+    if "dropout" in masks:
+        model.twinstep_dropout.mask = masks["dropout"]
 
 
-def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none"):
+def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none", starts=None):
     """timm's components, stepped as train.py steps them: yields a snapshot after every update
     (one at a time: a float64 ResNet-50 state with its moments and EMA is ~0.8 GB). ``moved``:
-    "reversed" (every micro-batch's rows in reverse order, their drop-path masks alike) or
-    "nudged" (every input times 1 + a rounding-sized N(0, 1) draw): the same mathematics, the
-    noise floor's twins."""
+    "reversed" (every micro-batch's rows in reverse order, their masks alike) or "nudged" (every
+    input times 1 + a rounding-sized N(0, 1) draw): the same mathematics, the noise floor's
+    twins. ``starts``: None (timm's loop carries its own state), or updates -> the state (in
+    `_ours`'s groups) each update after the first starts from instead."""
     from twinstep.data import loader
 
     model = copy.deepcopy(model)
-    for name, m in list(model.named_modules()):
-        if type(m).__name__ == "DropPath" and control != "own-masks":
-            model.get_submodule(name.rsplit(".", 1)[0]).drop_path = _DropPath(m.drop_prob)
+    if control != "own-masks":  # twinstep's masks, handed over (`_hand_masks`)
+        for name, m in list(model.named_modules()):
+            if type(m).__name__ == "DropPath":
+                model.get_submodule(name.rsplit(".", 1)[0]).drop_path = _DropPath(m.drop_prob)
+        if getattr(model, "drop_rate", 0.0) > 0:
+            model.twinstep_dropout = _Dropout(model.drop_rate, model.classifier)
+            model.drop_rate = 0.0
     opt = timm_recipe.optimizer(model, recipe, control)
     sched, per = timm_recipe.scheduler(opt, recipe, control)
     ema = timm_recipe.ema(model, recipe, control)
@@ -104,21 +135,22 @@ def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none"):
     src = loader.source("digits", res)
     batches = loader.train_stream(src, loader.Augment(), 0, 0, STEPS, recipe.accum,
                                   REPLICAS * recipe.batch, 0)
-    moments = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer"}
     named = dict(model.named_parameters())
     updates = 0
     for xs, labels, *_ in batches:
+        if starts is not None and updates:
+            _load(model, opt, ema, starts(updates))
         lr = opt.param_groups[0]["lr"]
         for micro, (x, y) in enumerate(zip(xs, labels, strict=True)):
-            if recipe.drop and control != "own-masks":
-                _drop_paths(model, recipe, updates, micro)
+            if (recipe.drop or recipe.dropout) and control != "own-masks":
+                _hand_masks(model, recipe, updates, micro)
             x = torch.tensor(np.asarray(x, np.float64).transpose(0, 3, 1, 2))
             y = torch.tensor(np.asarray(y, np.int64))
             if moved == "reversed":
                 x, y = x.flip(0), y.flip(0)
                 for m in model.modules():
-                    if isinstance(m, _DropPath):
-                        m.mask = m.mask[::-1].copy()
+                    if isinstance(m, _DropPath | _Dropout) and m.mask is not None:
+                        m.mask = m.mask[::-1].copy()  # (None: a branch without a skip)
             elif moved == "nudged":
                 u = np.random.default_rng([updates, len(x)]).standard_normal(x.shape)
                 x = x * (1 + bounds.perturbation(np.float64) * torch.tensor(u))
@@ -129,9 +161,31 @@ def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none"):
             "lr": lr, "params": {k: p.detach().numpy() for k, p in named.items()},
             "buffers": _buffers(model),
             **{ours: {k: s[theirs].numpy() for k, s in state.items()}  # optax's names
-               for ours, theirs in moments.items() if theirs in next(iter(state.values()))},
+               for ours, theirs in MOMENTS.items() if theirs in next(iter(state.values()))},
             **({"ema": {k: v.detach().numpy() for k, v in ema.module.named_parameters()},
                 "ema_buffers": _buffers(ema.module)} if ema is not None else {})}
+
+
+MOMENTS = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer"}  # optax's: torch's
+
+
+def _load(model, opt, ema, state: dict) -> None:
+    """Overwrites the tensors of timm's loop (after its first update: the optimizer's state
+    exists) with ``state``, a twinstep checkpoint in `_ours`'s groups; the counts (the
+    optimizer's step, the EMA's, the scheduler's) are the loop's own."""
+    def put(tensors, values):
+        for k, t in tensors:
+            if not k.endswith("num_batches_tracked"):
+                t.detach().copy_(torch.tensor(np.asarray(values[k])))
+
+    put(model.named_parameters(), state["params"])
+    put(model.named_buffers(), state["buffers"])
+    for k, p in model.named_parameters():
+        put(((g, opt.state[p][theirs]) for g, theirs in MOMENTS.items() if g in state),
+            {g: state[g][k] for g in MOMENTS if g in state})
+    if ema is not None:
+        put(ema.module.named_parameters(), state["ema"])
+        put(ema.module.named_buffers(), state["ema_buffers"])
 
 
 def _buffers(model) -> dict:
@@ -162,7 +216,7 @@ def _groups(snapshot: dict) -> dict:
 def _sensitivity(ref: dict, moved: list[dict]) -> dict:
     """{(group, name): how far timm's own moved twins are from its loop} at one step."""
     ref, moved = _groups(ref), [_groups(m) for m in moved]
-    return {(g, n): max(_err(n, m[g], ref[g]) for m in moved) for g in ref for n in ref[g]}
+    return {(g, n): max(_err(g, n, m, ref) for m in moved) for g in ref for n in ref[g]}
 
 
 def _rows(ours: dict, ref: dict, sensitivity: dict) -> list[dict]:
@@ -172,7 +226,7 @@ def _rows(ours: dict, ref: dict, sensitivity: dict) -> list[dict]:
     rows = []
     for g in ref:
         for name in ref[g]:
-            err = _err(name, ours[g], ref[g])
+            err = _err(g, name, ours, ref)
             limit = bounds.bound(bounds.F64_PARAM_BOUND, sensitivity[g, name])
             rows.append({"group": g, "name": name, "err": err, "bound": limit, "ok": err <= limit})
     return rows
@@ -191,13 +245,15 @@ class LoopOracle:
         from twinstep.training.config import TrainConfig
 
         self.name, self.res, batch = SETTINGS[kind]
+        self.from_ours, self.states = kind in FROM_OURS, {}
         self.out = str(tmp / "run")
         self.recipe = TrainConfig(self.name, self.out, replicas=REPLICAS, res=self.res,
                                   batch=batch, steps=STEPS, precision="f64").parsed_recipe()
         torch.manual_seed(0)
         self.model = timm.create_model(  # its DropPath modules: `_DropPath`s in each loop
             get_net(self.recipe.net).TIMM_NAME, num_classes=10,
-            drop_path_rate=self.recipe.drop_path_rate if self.recipe.drop else 0.0).double()
+            drop_path_rate=self.recipe.drop_path_rate if self.recipe.drop else 0.0,
+            drop_rate=self.recipe.dropout_rate if self.recipe.dropout else 0.0).double()
         weights = str(tmp / "start.safetensors")
         state_dict.save(weights, {k: v.numpy() for k, v in self.model.state_dict().items()
                                   if not k.endswith("num_batches_tracked")})
@@ -220,29 +276,45 @@ class LoopOracle:
             self.found[control] = self._compare(control)
         return self.found[control]
 
-    def _compare(self, control: str) -> dict:
+    def _state(self, step: int) -> dict:
+        """twinstep's state after ``step`` updates, in `_ours`'s groups (the last one read)."""
         from twinstep.training.checkpoint import load_state
 
-        loop = _timm_loop(self.model, self.recipe, self.res, control=control)
-        twins = ([_timm_loop(self.model, self.recipe, self.res, moved=m)
+        if step not in self.states:
+            self.states = {step: _ours(load_state(self.out, step))}
+        return self.states[step]
+
+    def _compare(self, control: str) -> dict:
+        starts = self._state if self.from_ours else None
+        loop = _timm_loop(self.model, self.recipe, self.res, control=control, starts=starts)
+        twins = ([_timm_loop(self.model, self.recipe, self.res, moved=m, starts=starts)
                   for m in ("reversed", "nudged")] if control == "none" else [])
         found = {"rows": [], "lr": []}
         for step, ref in enumerate(loop, 1):
             if twins:
                 self.sensitivity[step] = _sensitivity(ref, [next(t) for t in twins])
-            ours = _ours(load_state(self.out, step))
+            ours = self._state(step)
             found["lr"].append((self.lrs[step - 1], ref["lr"]))
             found["rows"] += [{**r, "step": step}
                               for r in _rows(ours, ref, self.sensitivity[step])]
         return found
 
 
-def _err(name: str, ours: dict, ref: dict) -> float:
-    """`bounds.grad_err`, and |ours| where ref's tensor and its BN's gamma are both exactly 0
-    (ResNet's zero_init_last at step 1: every gradient inside a residual branch is 0)."""
-    if not np.any(ref[name]):
-        return float(np.linalg.norm(ours[name]))
-    return bounds.grad_err(name, ours, ref)
+def _err(group: str, name: str, ours: dict, ref: dict) -> float:
+    """`bounds.grad_err` of tensor ``name`` of ``group`` (ours and ref: `_groups`), but
+    - |ours| where ref's tensor and its BN's gamma are both exactly 0 (ResNet's zero_init_last
+      at step 1: every gradient inside a residual branch is 0);
+    - a BN bias whose first moment is a structural zero by grad_err's rule (every gradient it
+      had was rounding noise) is compared against zero on its gamma's scale: under Adam it
+      moves far above PARAM_FLOOR (docs/tie.md#structural-zeros)."""
+    a, b = ours[group], ref[group]
+    if not np.any(b[name]):
+        return float(np.linalg.norm(a[name]))
+    moment = next((m for m in ("mu", "trace") if m in ref), None)
+    if group == "params" and moment and bounds.zero_scale(name, ref[moment]) is not None:
+        gamma = np.linalg.norm(b[name[:-len("bias")] + "weight"])
+        return float(max(np.linalg.norm(a[name]), np.linalg.norm(b[name])) / gamma)
+    return bounds.grad_err(name, a, b)
 
 
 @pytest.fixture(scope="module", params=[
@@ -283,8 +355,10 @@ def test_the_loop_oracle_sees_each_control(oracle, control):
         pytest.skip("no EMA in this recipe")
     if control == "warmup-from-0" and not recipe.warmup_steps:
         pytest.skip("no warmup in this recipe's 12 steps")
-    if control == "own-masks" and not recipe.drop:
-        pytest.skip("no stochastic depth in this recipe")
+    if control == "decay-everything" and not recipe.wx:
+        pytest.skip("this recipe decays every tensor already (no wx)")
+    if control == "own-masks" and not (recipe.drop or recipe.dropout):
+        pytest.skip("no stochastic depth or dropout in this recipe")
     found = oracle[1].control(control)
     lr_off = any(a != pytest.approx(b, rel=1e-14) for a, b in found["lr"])
     failing = [r for r in found["rows"] if not r["ok"]]

@@ -73,17 +73,26 @@ def grad_err(name: str, ours, ref) -> float:
     (MobileNetV4's dw_start and pw_proj BNs), so its bias's exact gradient is 0, the next BN's
     batch mean is its bias's image, and any two computations return rounding noise."""
     a, b = ours[name], ref[name]
+    scale = zero_scale(name, ref)
+    if scale is not None:
+        return float(max(np.linalg.norm(host(a)), np.linalg.norm(host(b))) / scale)
+    return rel(a, b)
+
+
+def zero_scale(name: str, ref) -> float | None:
+    """The scale of its BN's spread that `grad_err` compares ref[name] against zero on, or None
+    when ref[name] is not a BN's shift below PARAM_FLOOR on that scale."""
     shift = name.rsplit(".", 1)[-1]
     if shift in BN_SHIFTS:
         spread, to_scale = BN_SHIFTS[shift]
         other = name[:-len(shift)] + spread
         if other in ref and np.ndim(ref[other]) == 1:
             scale = float(np.linalg.norm(to_scale(host(ref[other]))))
-            dtype = np.dtype(getattr(b, "dtype", np.float64)).name
-            floor = PARAM_FLOOR.get(dtype, PARAM_FLOOR["float64"])
-            if np.linalg.norm(host(b)) <= floor * scale:
-                return float(max(np.linalg.norm(host(a)), np.linalg.norm(host(b))) / scale)
-    return rel(a, b)
+            dtype = np.dtype(getattr(ref[name], "dtype", np.float64)).name
+            if np.linalg.norm(host(ref[name])) <= PARAM_FLOOR.get(dtype, PARAM_FLOOR[
+                    "float64"]) * scale:
+                return scale
+    return None
 
 
 # ------------------------------------------------------------------------- sensitivity
