@@ -118,4 +118,4 @@ def test_a_run_trains_with_dali(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "val (raw): top-1" in done.stdout and done.stderr.count("does not decode") == 1
     assert done.stdout.splitlines()[0].endswith("train 32² (given), eval 64² (given), 6 steps "
-                                                 "(given), N = 4 x R = 2")
+                                                 "(given), N = 4 x R = 2, f32 (the default)")

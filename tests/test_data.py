@@ -56,7 +56,7 @@ def test_on_a_folder_the_defaults_are_the_recipes_and_on_the_digits_small(tree):
     assert a3.parsed_recipe().warmup_steps == a3.steps * 5 // 100
     assert a3.summary() == (f"rsb-a3 on {tree}: train 160² (the recipe's), eval 224² (the "
                             f"recipe's), 100 epochs = {a3.steps} steps (the recipe's), N = 256 "
-                            f"x R = 1")
+                            f"x R = 1, f32 (the default)")
     small = TrainConfig("rsb-a3", "/tmp/unused", data=tree, res=128, steps=7, batch=4)
     assert (small.res, small.eval_res, small.steps) == (128, 128, 7)
     assert "train 128² (given), eval 128² (the train res), 7 steps (given)" in small.summary()
@@ -67,6 +67,11 @@ def test_on_a_folder_the_defaults_are_the_recipes_and_on_the_digits_small(tree):
     assert (digits.res, digits.eval_res, digits.steps) == (32, 32, 200)
     assert "train 32² (the digits' default), eval 32² (the train res), 200 steps (the " \
            "default)" in digits.summary()
+    # the precision: the recipe's bf16 token, else f32; a given one wins
+    assert TrainConfig("mnv4in_adamdp2bf16", "/tmp/unused").summary().endswith(
+        "bf16 (the recipe's)")
+    assert TrainConfig("mnv4in_adamdp2bf16", "/tmp/unused", precision="f64").summary(
+        ).endswith("f64 (given)")
     with pytest.raises(UsageError, match="--eval-res must be a multiple of 32"):
         TrainConfig("rsb-a3", "/tmp/unused", data=tree, eval_res=100)
 

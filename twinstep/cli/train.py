@@ -58,7 +58,7 @@ def add(p) -> None:
         options.count(p, "--" + flag.replace("_", "-"), default[flag],
                       f"{what} (default {default[flag] or 'none'})", "K")
     p.add_argument("--precision", choices=PRECISIONS, default=default["precision"],
-                   help=f"default {default['precision']}")
+                   help="default: bf16 with the recipe's bf16 token, else f32")
     options.seed(p)
     _loader_options(p, default)
     p.add_argument("--resume", action="store_true",

@@ -50,7 +50,7 @@ class TrainConfig:
     keep: int = 2
     keep_every: int | None = None  # also keep every K-th step's checkpoint for good
     log_every: int = 10
-    precision: str = "f32"
+    precision: str | None = None  # None: bf16 with the recipe's bf16 token, else f32
     seed: int = 0
     workers: int = 0  # loader processes (0: a background thread); results do not depend on it
     loader: str = "pillow"  # or "dali" (loader.LOADERS): who decodes and augments a folder
@@ -78,7 +78,7 @@ class TrainConfig:
                                  f"({', '.join(INIT_FORMATS)})")
             if not os.path.isfile(self.init_from):
                 raise UsageError(f"--init-from {self.init_from}: no such file")
-        if self.precision not in PRECISIONS:
+        if self.precision is not None and self.precision not in PRECISIONS:
             raise UsageError(f"unknown --precision {self.precision!r}; choose from "
                              f"{', '.join(PRECISIONS)}")
         for field in ("replicas", "batch", "res", "eval_res", "steps", "epochs", "eval_every",
@@ -108,8 +108,9 @@ class TrainConfig:
     def _choose_defaults(self) -> None:
         """Fill in what was not given (docs/training.md#defaults): on the digits their small
         defaults; on an image folder the recipe's train and eval resolutions — its eval
-        resolution only at its own train resolution — and a preset's epochs; N the recipe's;
-        else SMOKE_STEPS steps. ``chosen``: {field: where its value came from}."""
+        resolution only at its own train resolution — and a preset's epochs, else SMOKE_STEPS
+        steps; N the recipe's; bf16 with its bf16 token, else f32. ``chosen``: {field: where
+        its value came from}."""
         try:
             r = recipes.parse(self.recipe)
         except recipes.RecipeError as e:
@@ -125,6 +126,7 @@ class TrainConfig:
             if self.steps is None and r.epochs is not None:
                 picks["epochs"] = (r.epochs, recipe_s)
         picks["batch"] = (r.batch, recipe_s)
+        picks["precision"] = ("bf16", recipe_s) if r.bf16 else ("f32", "the default")
         chosen = {}
         for field, (value, why) in picks.items():
             if getattr(self, field) is None:
@@ -140,8 +142,8 @@ class TrainConfig:
         object.__setattr__(self, "chosen", chosen)
 
     def summary(self) -> str:
-        """One line: the resolutions and length this run trains with, and where each came from
-        (given, the recipe's, a default)."""
+        """One line: the resolutions, length and precision this run trains with, and where each
+        came from (given, the recipe's, a default)."""
         def src(*fields):
             why = next((self.chosen[f] for f in fields if f in self.chosen), "given")
             return f" ({why})"
@@ -150,7 +152,7 @@ class TrainConfig:
                   else f"{self.steps:,} steps")
         return (f"{self.recipe} on {self.data}: train {self.res}²{src('res')}, eval "
                 f"{self.eval_res}²{src('eval_res')}, {length}{src('epochs', 'steps')}, "
-                f"N = {self.batch} x R = {self.replicas}")
+                f"N = {self.batch} x R = {self.replicas}, {self.precision}{src('precision')}")
 
     def _check_artifact(self) -> None:
         """The render's manifest (NAME.json beside it) against this run: a render fixes its
