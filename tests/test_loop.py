@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import timm_recipe
 from oracle_libs import timm, torch
+from timm_handover import MOMENTS, HandedDropout, HandedDropPath, hand_masks, start_from
 
 from twinstep.checking import bounds
 
@@ -60,56 +61,6 @@ CONTROLS = ("per-epoch", "warmup-from-0", "bn-momentum", "ema-warmup", "decay-ev
 QUICK_CONTROL = "bn-momentum"  # one a tensor's bound must catch (30 s alone, 73 s in CI)
 
 
-class _DropPath(torch.nn.Module):
-    """timm's DropPath of rate ``drop`` applying ``mask`` — twinstep's draw of the rows kept,
-    each 0 or 1 / keep (`twinstep.step.draw_masks`) — instead of a draw of torch's own."""
-
-    def __init__(self, drop: float):
-        super().__init__()
-        self.keep, self.mask = 1.0 - drop, None
-
-    def forward(self, x):
-        assert set(np.unique(self.mask)) <= {0.0, 1.0 / self.keep}  # timm's rate is twinstep's
-        return x * torch.tensor(self.mask).view(-1, 1, 1, 1)
-
-
-class _Dropout(torch.nn.Module):
-    """timm's classifier dropout (`F.dropout` in MobileNetV3's forward_head, turned off by its
-    ``drop_rate`` = 0) applying ``mask`` [rows, features] — twinstep's draw — before the
-    classifier, through a forward pre-hook."""
-
-    def __init__(self, drop: float, classifier):
-        super().__init__()
-        self.keep, self.mask = 1.0 - drop, None
-        classifier.register_forward_pre_hook(lambda _, args: (self(args[0]),))
-
-    def forward(self, x):
-        assert set(np.unique(self.mask)) <= {0.0, 1.0 / self.keep}
-        return x * torch.tensor(self.mask)
-
-
-def _hand_masks(model, recipe, step: int, micro: int) -> None:
-    """Gives ``model``'s `_DropPath` and `_Dropout` modules their rows of the masks twinstep
-    draws for micro-step ``micro`` of optimizer step ``step`` (0-based) of a seed-0 run: the
-    step's key as `twinstep.training.loop` folds it, the micro-step's as `twinstep.step`."""
-    import jax
-
-    from twinstep import step as steps
-    from twinstep.nets import get_net
-
-    net = get_net(recipe.net)
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), step), micro)
-    masks = {k: np.asarray(m) for k, m in steps.draw_masks(
-        net, recipe, key, REPLICAS * recipe.batch, np.float64).items()}
-    for site, mask in zip(net.DROP_PATH_SITES, masks.get("drop_path", ()), strict=True):
-        drop = model.get_submodule(site).drop_path
-        if drop is None:  # timm's rate 0 (the first block): no module, and twinstep keeps all
-            assert np.all(mask == 1)
-        else:
-            drop.mask = mask
-    if "dropout" in masks:
-        model.twinstep_dropout.mask = masks["dropout"]
-
 
 def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none", starts=None):
     """timm's components, stepped as train.py steps them: yields a snapshot after every update
@@ -121,12 +72,12 @@ def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none", 
     from twinstep.data import loader
 
     model = copy.deepcopy(model)
-    if control != "own-masks":  # twinstep's masks, handed over (`_hand_masks`)
+    if control != "own-masks":  # twinstep's masks, handed over (`hand_masks`)
         for name, m in list(model.named_modules()):
             if type(m).__name__ == "DropPath":
-                model.get_submodule(name.rsplit(".", 1)[0]).drop_path = _DropPath(m.drop_prob)
+                model.get_submodule(name.rsplit(".", 1)[0]).drop_path = HandedDropPath(m.drop_prob)
         if getattr(model, "drop_rate", 0.0) > 0:
-            model.twinstep_dropout = _Dropout(model.drop_rate, model.classifier)
+            model.twinstep_dropout = HandedDropout(model.drop_rate, model.classifier)
             model.drop_rate = 0.0
     opt = timm_recipe.optimizer(model, recipe, control)
     sched, per = timm_recipe.scheduler(opt, recipe, control)
@@ -139,17 +90,17 @@ def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none", 
     updates = 0
     for xs, labels, *_ in batches:
         if starts is not None and updates:
-            _load(model, opt, ema, starts(updates))
+            start_from(model, opt, ema, starts(updates))
         lr = opt.param_groups[0]["lr"]
         for micro, (x, y) in enumerate(zip(xs, labels, strict=True)):
             if (recipe.drop or recipe.dropout) and control != "own-masks":
-                _hand_masks(model, recipe, updates, micro)
+                hand_masks(model, recipe, REPLICAS * recipe.batch, updates, micro)
             x = torch.tensor(np.asarray(x, np.float64).transpose(0, 3, 1, 2))
             y = torch.tensor(np.asarray(y, np.int64))
             if moved == "reversed":
                 x, y = x.flip(0), y.flip(0)
                 for m in model.modules():
-                    if isinstance(m, _DropPath | _Dropout) and m.mask is not None:
+                    if isinstance(m, HandedDropPath | HandedDropout) and m.mask is not None:
                         m.mask = m.mask[::-1].copy()  # (None: a branch without a skip)
             elif moved == "nudged":
                 u = np.random.default_rng([updates, len(x)]).standard_normal(x.shape)
@@ -164,28 +115,6 @@ def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none", 
                for ours, theirs in MOMENTS.items() if theirs in next(iter(state.values()))},
             **({"ema": {k: v.detach().numpy() for k, v in ema.module.named_parameters()},
                 "ema_buffers": _buffers(ema.module)} if ema is not None else {})}
-
-
-MOMENTS = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer"}  # optax's: torch's
-
-
-def _load(model, opt, ema, state: dict) -> None:
-    """Overwrites the tensors of timm's loop (after its first update: the optimizer's state
-    exists) with ``state``, a twinstep checkpoint in `_ours`'s groups; the counts (the
-    optimizer's step, the EMA's, the scheduler's) are the loop's own."""
-    def put(tensors, values):
-        for k, t in tensors:
-            if not k.endswith("num_batches_tracked"):
-                t.detach().copy_(torch.tensor(np.asarray(values[k])))
-
-    put(model.named_parameters(), state["params"])
-    put(model.named_buffers(), state["buffers"])
-    for k, p in model.named_parameters():
-        put(((g, opt.state[p][theirs]) for g, theirs in MOMENTS.items() if g in state),
-            {g: state[g][k] for g in MOMENTS if g in state})
-    if ema is not None:
-        put(ema.module.named_parameters(), state["ema"])
-        put(ema.module.named_buffers(), state["ema_buffers"])
 
 
 def _buffers(model) -> dict:
@@ -250,7 +179,7 @@ class LoopOracle:
         self.recipe = TrainConfig(self.name, self.out, replicas=REPLICAS, res=self.res,
                                   batch=batch, steps=STEPS, precision="f64").parsed_recipe()
         torch.manual_seed(0)
-        self.model = timm.create_model(  # its DropPath modules: `_DropPath`s in each loop
+        self.model = timm.create_model(  # its DropPath modules: `HandedDropPath`s in each loop
             get_net(self.recipe.net).TIMM_NAME, num_classes=10,
             drop_path_rate=self.recipe.drop_path_rate if self.recipe.drop else 0.0,
             drop_rate=self.recipe.dropout_rate if self.recipe.dropout else 0.0).double()
