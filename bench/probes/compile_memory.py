@@ -1,0 +1,145 @@
+"""Probe for where `twinstep train`'s memory goes beyond timm's (the compile of its step):
+one process's resident memory (RSS; its peak from getrusage) through a short run of
+`twinstep.train` on the digits, each variant in a fresh process with its own empty compilation
+cache, in interleaved rounds:
+
+- compile only: the train step compiled ahead of time from its arguments' shapes (committed to
+  the first device, as the run passes them), then the freed memory handed back
+  (`settings.release_freed_memory`, glibc's malloc_trim);
+- cold: the run as `twinstep train` makes it with an empty cache;
+- precompiled: the step compiled ahead of time first (into the cache), malloc_trim, then the run,
+  whose first step loads the program from the cache;
+- warm: the run again on the cache a cold run left.
+
+One replica (the ahead-of-time shapes are those of R = 1).
+
+    python bench/probes/compile_memory.py [--recipe mnv4in_adamdp16] [--batch 64] [--res 32]
+                                          [--steps 10] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+
+VARIANTS = ("compile only", "cold", "precompiled", "warm")
+
+
+def _mib() -> tuple[float, float]:
+    """(this process's RSS, its peak RSS so far) in MiB."""
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
+
+def _precompile(args) -> dict:
+    """The train step compiled from shapes alone (what a run's first step compiles), then the
+    memory the compiler freed given back: {rss after compile, peak, rss after malloc_trim}."""
+    import jax
+    import jax.numpy as jnp
+
+    from twinstep import program
+    from twinstep.nets import get_net
+    from twinstep.processes import settings
+    from twinstep.training.config import TrainConfig
+
+    recipe = TrainConfig(args.recipe, "unused", batch=args.batch, res=args.res,
+                         steps=args.steps).parsed_recipe()
+    prog = program.train_program(get_net(recipe.net), recipe, 10, 1, "f32")
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def at(a):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one)
+
+    rows = (recipe.accum, args.batch)
+    xs = at(jax.ShapeDtypeStruct((*rows, args.res, args.res, 3), jnp.float32))
+    ts = at(jax.ShapeDtypeStruct((*rows, 10), jnp.float32))
+    key = at(jax.eval_shape(lambda: jax.random.key(0)))
+    prog.step.lower(jax.tree.map(at, prog.state), xs, ts, key).compile()
+    rss, peak = _mib()
+    settings.release_freed_memory()
+    return {"compiled_rss": rss, "compile_peak": peak, "trimmed_rss": _mib()[0]}
+
+
+def _variant(args) -> dict:
+    """One variant in this (fresh) process, on the cache in TWINSTEP_COMPILE_CACHE."""
+    from twinstep.processes import settings
+
+    settings.use_compile_cache()
+    t0, out = time.perf_counter(), {}
+    if args.variant in ("compile only", "precompiled"):
+        out |= _precompile(args)
+    if args.variant != "compile only":
+        from twinstep import api
+
+        first = {}
+
+        def progress(step, metrics):
+            if step == 1 and not first:
+                first["rss"] = _mib()[0]
+
+        with tempfile.TemporaryDirectory() as run:
+            api.train(args.recipe, run, batch=args.batch, res=args.res, steps=args.steps,
+                      eval_every=args.steps, progress=progress)
+        out["step1_rss"] = first["rss"]
+    out["peak"], out["wall"] = _mib()[1], time.perf_counter() - t0
+    return out
+
+
+def main() -> None:
+    from common import PROBE_RESULTS, probe_decision, write_results
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", default="mnv4in_adamdp16")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--res", type=int, default=32)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.variant:
+        print(json.dumps(_variant(args)))
+        return
+    found = {v: [] for v in VARIANTS}
+    for r in range(args.rounds):
+        with tempfile.TemporaryDirectory() as tmp:
+            for v in VARIANTS:  # each its own empty cache, but warm reads the one cold left
+                cache = os.path.join(tmp, "cold" if v == "warm" else v.replace(" ", "-"))
+                env = {k: x for k, x in os.environ.items()
+                       if k not in ("JAX_COMPILATION_CACHE_DIR", "TWINSTEP_NO_COMPILE_CACHE")}
+                done = subprocess.run(
+                    [sys.executable, __file__, "--variant", v, "--recipe", args.recipe,
+                     "--batch", str(args.batch), "--res", str(args.res), "--steps",
+                     str(args.steps)], env={**env, "TWINSTEP_COMPILE_CACHE": cache},
+                    capture_output=True, text=True, check=True)
+                found[v].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                print(f"round {r + 1} {v}: {found[v][-1]}", file=sys.stderr, flush=True)
+
+    def med(v, k):
+        values = [f[k] for f in found[v] if k in f]
+        return f"{statistics.median(values):.0f}" if values else ""
+
+    rows = ["| variant | peak MiB | RSS after the step's compile MiB | after malloc_trim MiB | "
+            "RSS after step 1 MiB | wall s |", "|---|---|---|---|---|---|"]
+    rows += [f"| {v} | {med(v, 'peak')} | {med(v, 'compiled_rss')} | {med(v, 'trimmed_rss')} | "
+             f"{med(v, 'step1_rss')} | {med(v, 'wall')} |" for v in VARIANTS]
+    write_results(
+        PROBE_RESULTS, "compile_memory", probe_decision(__doc__) + "\n\n"
+        f"`{args.recipe}` at R = 1, N = {args.batch}, {args.res}², {args.steps} steps, f32, on "
+        "the digits; one process's RSS.",
+        "python bench/probes/compile_memory.py " + " ".join(sys.argv[1:]), "\n".join(rows),
+        f"Medians of {args.rounds} interleaved rounds, each variant in a fresh process.")
+
+
+if __name__ == "__main__":
+    main()
