@@ -61,7 +61,6 @@ CONTROLS = ("per-epoch", "warmup-from-0", "bn-momentum", "ema-warmup", "decay-ev
 QUICK_CONTROL = "bn-momentum"  # one a tensor's bound must catch (30 s alone, 73 s in CI)
 
 
-
 def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none", starts=None):
     """timm's components, stepped as train.py steps them: yields a snapshot after every update
     (one at a time: a float64 ResNet-50 state with its moments and EMA is ~0.8 GB). ``moved``:
