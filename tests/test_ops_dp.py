@@ -140,6 +140,26 @@ def test_a_program_fed_its_placed_state_then_its_outputs_compiles_once(count, ca
         assert compiles({"a": jnp.arange(4.0)}) == 2
 
 
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_program_compiled_ahead_from_placed_shapes_takes_what_place_puts(count):
+    """`dp.placed_shapes` says where `dp.place` puts each leaf (sliced, or whole): a program
+    compiled from them alone, as the trainer compiles its step, takes the placed tree and then
+    its own outputs. The control, a leaf placed otherwise (replicated where it is sliced; at one
+    replica, on the second device), is refused: jit would have compiled the program again."""
+    tree = {"moment": jnp.arange(8.0), "weight": jnp.arange(3.0)}
+    specs = {"moment": dp.slice_spec((8,), count), "weight": dp.REPLICATED}
+    shapes = dp.placed_shapes(tree, specs, count)
+    step = jax.jit(lambda t: jax.tree.map(lambda a: a + 1, t),
+                   out_shardings=jax.tree.map(lambda a: a.sharding, shapes))
+    compiled = step.lower(shapes).compile()
+    once = compiled(dp.place(tree, specs, count))
+    assert float(compiled(once)["moment"].sum()) == 28.0 + 16
+    wrong = dp.place(tree, dp.REPLICATED, count) if count > 1 else jax.device_put(
+        tree, jax.devices()[1])
+    with pytest.raises(ValueError, match="shardings"):
+        compiled(wrong)
+
+
 def test_a_donated_weight_read_after_its_update_is_not_copied():
     """The backward reads a weight its own update does not wait for; XLA:CPU's default copy
     insertion then copies the donated weight every step, `dp.jit`'s options do not (the default

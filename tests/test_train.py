@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 import pytest
@@ -224,15 +223,15 @@ def test_two_replicas_train_what_one_device_trains_at_the_same_global_batch(tmp_
 
 
 class _StandIn:
-    """A stand-in for the compiled programs (`program.train_program` / `eval_program`): the
-    real state's shape, a step that only counts — and a loss that turns NaN at ``nan_at`` — so
-    the loop's own behaviour is tested without compiling a network."""
+    """A stand-in for the compiled programs (`program.train_program` / `eval_program` /
+    `compile_step`): the real state's shape, a step that only counts — and a loss that turns NaN
+    at ``nan_at`` — so the loop's own behaviour is tested without compiling a network."""
 
     def __init__(self, nan_at=None):
         self.nan_at = nan_at
 
     def train_program(self, net, recipe, classes, *a, **kw):
-        from twinstep import optim, step
+        from twinstep import optim, program, step
 
         def init(params, buffers):
             return step.init_state(recipe, params, buffers, optim.for_recipe(recipe, params))
@@ -242,10 +241,13 @@ class _StandIn:
             loss = float("nan") if done == self.nan_at else 1.0 / done
             return state._replace(step=state.step + 1), {"loss": loss, "lr": 0.0}
 
-        return types.SimpleNamespace(init=init, step=one_step, place=lambda state: state)
+        return program.TrainProgram(None, init, one_step, None, None, lambda state: state)
 
     def eval_program(self, *a, **kw):
         return lambda params, buffers, x: np.zeros((len(x), 10), np.float32)
+
+    def compile_step(self, prog, *a):
+        return prog.step  # nothing to compile
 
 
 def test_a_nan_stops_at_its_step_and_a_cut_off_checkpoint_write_leaves_the_last_one(
@@ -256,6 +258,7 @@ def test_a_nan_stops_at_its_step_and_a_cut_off_checkpoint_write_leaves_the_last_
     stand_in = _StandIn(nan_at=5)
     monkeypatch.setattr(program, "train_program", stand_in.train_program)
     monkeypatch.setattr(program, "eval_program", stand_in.eval_program)
+    monkeypatch.setattr(program, "compile_step", stand_in.compile_step)
     cfg = TrainConfig(RECIPE, str(tmp_path / "run"), steps=8, ckpt_every=2, eval_every=8)
     with pytest.raises(loop.NonFinite, match=r"nan at step 5; the last checkpoint \(step 4\)"):
         loop.run(cfg)

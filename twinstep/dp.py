@@ -70,6 +70,18 @@ def place(tree, specs, count: int):
     return jax.device_put(jax.tree.map(jnp.copy, tree), where)
 
 
+def placed_shapes(tree, specs, count: int):
+    """The ShapeDtypeStructs of `place`'s result, laid out as it lays them out (``tree``: JAX
+    arrays or ShapeDtypeStructs; ``specs``: a matching tree, or one PartitionSpec for every leaf): a
+    program compiled ahead from them takes the placed arrays, and refuses others."""
+    if isinstance(specs, P):
+        specs = jax.tree.map(lambda _: specs, tree)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    where = jax.tree.map(lambda _: one, tree) if count == 1 else shardings(specs, mesh(count))
+    return jax.tree.map(lambda a, at: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=at,
+                                                           weak_type=a.weak_type), tree, where)
+
+
 def shardings(specs, on):
     """A tree of PartitionSpecs as NamedShardings on the mesh ``on``."""
     return jax.tree.map(lambda sp: NamedSharding(on, sp), specs,

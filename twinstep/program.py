@@ -5,7 +5,8 @@ here are a step's mesh and ``shard_map`` specs chosen.
                  forward, loss, backward and the gradient collective (`step.grad_step`)
   train_program  TrainProgram: init(params, buffers) -> TrainState, and
                  step(state, xs [k, R N, S, S, 3], ts [k, R N, K], key) -> (state, metrics)
-                 a recipe's whole step (`step.train_step`)
+                 a recipe's whole step (`step.train_step`); `compile_step` compiles it
+                 ahead for the trainer's arguments
   eval_program   (params, buffers, x [N, S, S, 3]) -> logits [N, K], eval-mode BN, one device
   prepare_program  the host's batch (`twinstep.data.loader.Batch`: uint8 crops, labels, the
                  drawn mix) -> the step's xs, ts: normalised, mixed over the global batch
@@ -205,6 +206,22 @@ def train_program(net: Net, recipe, classes: int, replicas: int = 1,
                              donate=donated if donate else ())
     return TrainProgram(opt, init, program, state, in_specs,
                         lambda st: dp.replicate(st, replicas))
+
+
+def compile_step(prog: TrainProgram, replicas: int, micro: tuple[int, int], res: int,
+                 classes: int, precision: str | Precision):
+    """``prog.step`` compiled ahead of time for the trainer's arguments, before any of them
+    exists: the state as ``prog.place`` lays it out, xs [k, R N, S, S, 3] and ts [k, R N, K]
+    (``micro`` = (k, R N)) as `prepare_program` returns them, the key. The compile then peaks
+    on its own, not on top of the state, the data and the loader (docs/speed.md#memory).
+    Arguments laid out otherwise are refused (a jitted step would compile again)."""
+    dtype = get_precision(precision).dtype
+    state = dp.placed_shapes(prog.state, prog.in_specs[0], replicas)
+    rows = dp.placed_shapes((jax.ShapeDtypeStruct((*micro, res, res, 3), dtype),
+                             jax.ShapeDtypeStruct((*micro, classes), dtype)), dp.MICRO_BATCH,
+                            replicas)
+    key = dp.placed_shapes(jax.eval_shape(lambda: jax.random.key(0)), dp.REPLICATED, replicas)
+    return prog.step.lower(state, *rows, key).compile()
 
 
 def _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh, donate: bool,

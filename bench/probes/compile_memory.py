@@ -3,18 +3,17 @@ one process's resident memory (RSS; its peak from getrusage) through a short run
 `twinstep.train` on the digits, each variant in a fresh process with its own empty compilation
 cache, in interleaved rounds:
 
-- compile only: the train step compiled ahead of time from its arguments' shapes (committed to
-  the first device, as the run passes them), then the freed memory handed back
-  (`settings.release_freed_memory`, glibc's malloc_trim);
-- cold: the run as `twinstep train` makes it with an empty cache;
-- precompiled: the step compiled ahead of time first (into the cache), malloc_trim, then the run,
-  whose first step loads the program from the cache;
+- compile only: the train step compiled ahead of time from its arguments' shapes
+  (`program.compile_step`), then the freed memory handed back (`settings.release_freed_memory`,
+  glibc's malloc_trim);
+- compiled at step 1: the run with its step compiled by jit at the first step, on top of the
+  state, the data and the smaller programs (the trainer until 2026-12-04);
+- cold: the run as `twinstep train` makes it with an empty cache (the step compiled first,
+  before the state and the data exist, then malloc_trim);
 - warm: the run again on the cache a cold run left.
 
-One replica (the ahead-of-time shapes are those of R = 1).
-
     python bench/probes/compile_memory.py [--recipe mnv4in_adamdp16] [--batch 64] [--res 32]
-                                          [--steps 10] [--rounds 3]
+                                          [--replicas 1] [--steps 10] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
-VARIANTS = ("compile only", "cold", "precompiled", "warm")
+VARIANTS = ("compile only", "compiled at step 1", "cold", "warm")
 
 
 def _mib() -> tuple[float, float]:
@@ -42,30 +41,19 @@ def _mib() -> tuple[float, float]:
     return rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 
-def _precompile(args) -> dict:
-    """The train step compiled from shapes alone (what a run's first step compiles), then the
+def _compile_only(args) -> dict:
+    """The train step compiled from shapes alone, as the trainer compiles it first, then the
     memory the compiler freed given back: {rss after compile, peak, rss after malloc_trim}."""
-    import jax
-    import jax.numpy as jnp
-
     from twinstep import program
     from twinstep.nets import get_net
     from twinstep.processes import settings
     from twinstep.training.config import TrainConfig
 
-    recipe = TrainConfig(args.recipe, "unused", batch=args.batch, res=args.res,
-                         steps=args.steps).parsed_recipe()
-    prog = program.train_program(get_net(recipe.net), recipe, 10, 1, "f32")
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-
-    def at(a):
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one)
-
-    rows = (recipe.accum, args.batch)
-    xs = at(jax.ShapeDtypeStruct((*rows, args.res, args.res, 3), jnp.float32))
-    ts = at(jax.ShapeDtypeStruct((*rows, 10), jnp.float32))
-    key = at(jax.eval_shape(lambda: jax.random.key(0)))
-    prog.step.lower(jax.tree.map(at, prog.state), xs, ts, key).compile()
+    cfg = TrainConfig(args.recipe, "unused", replicas=args.replicas, batch=args.batch,
+                      res=args.res, steps=args.steps)
+    recipe = cfg.parsed_recipe()
+    prog = program.train_program(get_net(recipe.net), recipe, 10, args.replicas, "f32")
+    program.compile_step(prog, args.replicas, (recipe.accum, cfg.rows), args.res, 10, "f32")
     rss, peak = _mib()
     settings.release_freed_memory()
     return {"compiled_rss": rss, "compile_peak": peak, "trimmed_rss": _mib()[0]}
@@ -73,14 +61,20 @@ def _precompile(args) -> dict:
 
 def _variant(args) -> dict:
     """One variant in this (fresh) process, on the cache in TWINSTEP_COMPILE_CACHE."""
+    from twinstep import dp
     from twinstep.processes import settings
 
+    dp.ensure_devices(args.replicas)
     settings.use_compile_cache()
     t0, out = time.perf_counter(), {}
-    if args.variant in ("compile only", "precompiled"):
-        out |= _precompile(args)
-    if args.variant != "compile only":
+    if args.variant == "compile only":
+        out |= _compile_only(args)
+    else:
         from twinstep import api
+        from twinstep.training import loop
+
+        if args.variant == "compiled at step 1":  # the step left to jit
+            loop._compiled_step = lambda cfg, prog, classes: prog
 
         first = {}
 
@@ -89,8 +83,8 @@ def _variant(args) -> dict:
                 first["rss"] = _mib()[0]
 
         with tempfile.TemporaryDirectory() as run:
-            api.train(args.recipe, run, batch=args.batch, res=args.res, steps=args.steps,
-                      eval_every=args.steps, progress=progress)
+            api.train(args.recipe, run, replicas=args.replicas, batch=args.batch, res=args.res,
+                      steps=args.steps, eval_every=args.steps, progress=progress)
         out["step1_rss"] = first["rss"]
     out["peak"], out["wall"] = _mib()[1], time.perf_counter() - t0
     return out
@@ -103,6 +97,7 @@ def main() -> None:
     p.add_argument("--recipe", default="mnv4in_adamdp16")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--res", type=int, default=32)
+    p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -119,8 +114,9 @@ def main() -> None:
                        if k not in ("JAX_COMPILATION_CACHE_DIR", "TWINSTEP_NO_COMPILE_CACHE")}
                 done = subprocess.run(
                     [sys.executable, __file__, "--variant", v, "--recipe", args.recipe,
-                     "--batch", str(args.batch), "--res", str(args.res), "--steps",
-                     str(args.steps)], env={**env, "TWINSTEP_COMPILE_CACHE": cache},
+                     "--batch", str(args.batch), "--res", str(args.res), "--replicas",
+                     str(args.replicas), "--steps", str(args.steps)],
+                    env={**env, "TWINSTEP_COMPILE_CACHE": cache},
                     capture_output=True, text=True, check=True)
                 found[v].append(json.loads(done.stdout.strip().splitlines()[-1]))
                 print(f"round {r + 1} {v}: {found[v][-1]}", file=sys.stderr, flush=True)
@@ -135,8 +131,8 @@ def main() -> None:
              f"{med(v, 'step1_rss')} | {med(v, 'wall')} |" for v in VARIANTS]
     write_results(
         PROBE_RESULTS, "compile_memory", probe_decision(__doc__) + "\n\n"
-        f"`{args.recipe}` at R = 1, N = {args.batch}, {args.res}², {args.steps} steps, f32, on "
-        "the digits; one process's RSS.",
+        f"`{args.recipe}` at R = {args.replicas}, N = {args.batch}, {args.res}², {args.steps} "
+        "steps, f32, on the digits; one process's RSS.",
         "python bench/probes/compile_memory.py " + " ".join(sys.argv[1:]), "\n".join(rows),
         f"Medians of {args.rounds} interleaved rounds, each variant in a fresh process.")
 

@@ -57,19 +57,19 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
                                  fast_compile=cfg.fast_compile)
     eval_fn = program.eval_program(net, cfg.precision, cfg.fast_compile)
     prepare = program.prepare_program(src.classes, cfg.precision, cfg.replicas, cfg.fast_compile)
+    # the step compiled now, before the state and the data are in memory: the run's peak
+    prog = (_render_program if cfg.artifact else _compiled_step)(cfg, prog, src.classes)
 
     # --- restore: the latest checkpoint, else step 0 (timm's initialisation or --init-from)
     checkpoints = Checkpoints(cfg.out, cfg.keep, cfg.keep_every)
     state = state_dict.initial_state(cfg, net, prog, src.classes)
-    if cfg.artifact is not None:
-        prog = _render_program(cfg, prog, src.classes)
     if resuming:
         state = checkpoints.restore(state)
     state = prog.place(state)
     start = int(cluster.local_value(state.step))
 
     # --- the loop: step, log, evaluate, checkpoint. The host waits for the devices only at a
-    # boundary (the first step, which compiles; a log, eval or checkpoint step; the last): the
+    # boundary (the first step; a log, eval or checkpoint step; the last): the
     # next batch goes to them while a step runs, and the metrics are read back at the next
     # boundary, which stops at the first non-finite loss before anything of it is written.
     per_step = cfg.rows * recipe.accum  # images per optimizer step
@@ -100,7 +100,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
             loss = _read_back(pending, checkpoints)
             dog.progress(done)  # the devices have caught up: armed from the first step on
             if done == start + 1:
-                t0 = time.perf_counter()  # the first step compiles: img/s from its end
+                t0 = time.perf_counter()  # img/s from the first step's end
             record |= {"loss": loss, "lr": float(cluster.local_value(m["lr"])),
                        "skipped": skipped, "img_per_s": (done - start - 1) * per_step
                        / max(time.perf_counter() - t0, 1e-9)}
@@ -191,6 +191,16 @@ def _batch_sharding(cfg: TrainConfig):
     mesh = dp.mesh(cfg.replicas)
     return (jax.sharding.NamedSharding(mesh, dp.MICRO_BATCH),
             jax.sharding.NamedSharding(mesh, dp.REPLICATED))
+
+
+def _compiled_step(cfg: TrainConfig, prog, classes: int):
+    """``prog`` with its step compiled ahead of time (`program.compile_step`), then the freed
+    compile memory handed back: the compile peaks on its own, not on top of a run under way
+    (docs/speed.md#memory)."""
+    compiled = program.compile_step(prog, cfg.replicas, (cfg.parsed_recipe().accum, cfg.rows),
+                                    cfg.res, classes, cfg.precision)
+    settings.release_freed_memory()
+    return prog._replace(step=compiled)
 
 
 def _render_program(cfg: TrainConfig, prog, classes: int):

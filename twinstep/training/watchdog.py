@@ -6,8 +6,8 @@ hung collective, a stuck loader or a frozen peer becomes a failure a supervisor 
 The loop reports progress at each of its boundaries (`progress`: a metrics read-back, which
 waits for the devices) and the thread compares the time since the last report with the limit:
 ``--stall-timeout`` when given, else max(STALL_FACTOR x the median time between reports,
-STALL_FLOOR_S). It is armed only after the first report (the first step compiles) and is held
-off meanwhile by ``paused`` (the first evaluation compiles too).
+STALL_FLOOR_S). It is armed only after the first report (the first step, a render's compile)
+and is held off meanwhile by ``paused`` (the first evaluation compiles too).
 
 With several processes each publishes (step, beat) in the runtime's key-value store every
 BEAT_S; a stalled process names the processes whose step is behind its own, or whose beat
