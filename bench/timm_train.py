@@ -148,6 +148,7 @@ def timm_side(args) -> None:
     from twinstep.training import state_dict
     from twinstep.training.config import TrainConfig
 
+    torch.manual_seed(args.seed)  # the loader workers' seeds (crops, flips, RandAugment)
     recipe = TrainConfig(args.recipe, "unused", replicas=1, batch=args.batch, res=args.res[0],
                          steps=args.steps, data=args.folder).parsed_recipe()
     if recipe.drop or recipe.dropout:
@@ -275,7 +276,8 @@ def main() -> None:
             ran = watched([sys.executable, __file__, "--side", "timm", "--folder", args.folder,
                            "--recipe", args.recipe, "--batch", str(args.batch), "--res",
                            str(res), "--steps", str(args.steps), "--workers",
-                           str(args.workers), "--weights", weights, "--timm-name", timm_name,
+                           str(args.workers), "--seed", str(args.seed), "--weights", weights,
+                           "--timm-name", timm_name,
                            "--json", report])
             rows.append({"res": res, "side": "timm", "shape": f"1 x {args.batch}", **ran,
                          **json.loads(Path(report).read_text())})
