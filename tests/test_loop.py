@@ -59,7 +59,7 @@ IN_MAKE_TEST = ("adamw",)
 # timm_recipe's five, and stochastic depth's and dropout's masks drawn by torch ("own-masks")
 CONTROLS = ("per-epoch", "warmup-from-0", "bn-momentum", "ema-warmup", "decay-everything",
             "own-masks")
-QUICK_CONTROL = "bn-momentum"  # one a tensor's bound must catch (30 s alone, 73 s in CI)
+QUICK_CONTROL = "bn-momentum"  # one a tensor's bound must catch (at step 1)
 # test-all runs each control's loop whole (its rows and worst ratio are reported); make test's
 # stops at the first step where the comparison fails, which is its verdict
 FULL = os.environ.get("TWINSTEP_HYPOTHESIS") == "all"

@@ -57,7 +57,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
                                  fast_compile=cfg.fast_compile)
     eval_fn = program.eval_program(net, cfg.precision, cfg.fast_compile)
     prepare = program.prepare_program(src.classes, cfg.precision, cfg.replicas, cfg.fast_compile)
-    # the step compiled now, before the state and the data are in memory: the run's peak
+    # the step: a render's, or compiled now, before the state and data exist (the run's peak)
     prog = (_render_program if cfg.artifact else _compiled_step)(cfg, prog, src.classes)
 
     # --- restore: the latest checkpoint, else step 0 (timm's initialisation or --init-from)
@@ -69,9 +69,9 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     start = int(cluster.local_value(state.step))
 
     # --- the loop: step, log, evaluate, checkpoint. The host waits for the devices only at a
-    # boundary (the first step; a log, eval or checkpoint step; the last): the
-    # next batch goes to them while a step runs, and the metrics are read back at the next
-    # boundary, which stops at the first non-finite loss before anything of it is written.
+    # boundary (the first step; a log, eval or checkpoint step; the last): the next batch goes
+    # to them while a step runs, and the metrics are read back at the next boundary, which
+    # stops at the first non-finite loss before anything of it is written.
     per_step = cfg.rows * recipe.accum  # images per optimizer step
     stream = loader.train_stream(src, _augment(src, recipe), cfg.seed, start, cfg.steps,
                                  recipe.accum, cfg.rows, cfg.workers, cluster.local_rows(cfg.rows))
