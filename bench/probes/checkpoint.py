@@ -1,11 +1,15 @@
-"""Probe for checkpoints of one host copy, not R replicas (twinstep/training/checkpoint.py):
-a checkpoint of the train state written by orbax in the two ways the trainer could: the R
-replicated device arrays as they are, or one host copy (NumPy; what `twinstep train` writes).
-Save (until orbax returns) and the wait for its background write, each the median of interleaved
-saves; the first save of each way (which compiles orbax's per-shape device programs) apart.
+"""Probe for checkpoints of one host copy, not R replicas, uncompressed
+(twinstep/training/checkpoint.py): a checkpoint of the train state written by orbax in the
+three ways the trainer could: the R replicated device arrays as they are, or one host copy
+(NumPy), zstd-compressed (orbax's default) or not (what `twinstep train` writes). Save (until
+orbax returns), the wait for its background write, and a restore of it as NumPy, each the
+median of interleaved saves; the first save of each way (which compiles orbax's per-shape
+device programs) apart; the CPU time of the save and write, all threads (what a write in
+flight takes from the steps and the data loader); and the size on disk. The state's floats
+are those of a digits run after --steps steps.
 
     python bench/probes/checkpoint.py [--recipe mnv4in_momdp2] [--replicas 4] [--precision f64]
-                                      [--runs 5]
+                                      [--runs 5] [--steps 2]
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ def _args():
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--precision", default="f64", choices=["f64", "f32"])
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=2, help="the state checkpointed: after these "
+                    "steps of `twinstep train` on the digits")
     return ap.parse_args()
 
 
@@ -37,50 +43,68 @@ def main(args) -> None:
     import orbax.checkpoint as ocp
     from common import PROBE_RESULTS, probe_decision, write_results
 
-    from twinstep import dp, program, recipes
+    from twinstep import api, dp, program, recipes
     from twinstep.nets import get_net, layers
     from twinstep.ops.precision import get_precision
+    from twinstep.training.checkpoint import Checkpoints
 
     dp.ensure_devices(args.replicas)
     recipe = recipes.parse(args.recipe)
     net, dtype = get_net(recipe.net), get_precision(args.precision).dtype
-    shapes = net.param_shapes(1000)
-    made = program.train_program(net, recipe, 1000, args.replicas, args.precision)
-    state = made.place(made.init(
-        layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(), dtype,
-                           linear=net.LINEAR_INIT),
-        layers.init_buffers(shapes, dtype)))
-    trees = {"replicated device arrays": lambda: state,
-             "one host copy": lambda: jax.tree.map(np.asarray, state)}
-    times = {k: ([], [], 0.0) for k in trees}
+    shapes = net.param_shapes(10)
+    made = program.train_program(net, recipe, 10, args.replicas, args.precision)
+    state = made.init(layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(), dtype,
+                                         linear=net.LINEAR_INIT),
+                      layers.init_buffers(shapes, dtype))
+    # a trained state, not the initial one: its zero moments compress away, as no state's
+    # after the first step do
+    with tempfile.TemporaryDirectory() as run:
+        api.train(args.recipe, run, replicas=args.replicas, steps=args.steps,
+                  precision=args.precision, ckpt_every=args.steps, eval_every=args.steps)
+        with Checkpoints(run, 1) as saved:
+            host = jax.tree.map(np.asarray, saved.restore(jax.tree.map(np.asarray, state)))
+    state = made.place(host)
+    target = jax.tree.map(lambda a: np.empty(a.shape, a.dtype), host)
+    ways = {  # (the tree to save, compressed)
+        "replicated device arrays, zstd": (state, True), "one host copy, zstd": (host, True),
+        "one host copy, uncompressed": (host, False)}
+    times = {k: {"save": [], "write": [], "cpu": [], "restore": [], "first": 0.0} for k in ways}
     with tempfile.TemporaryDirectory() as root:
-        managers = {k: ocp.CheckpointManager(f"{root}/{i}") for i, k in enumerate(trees)}
+        managers = {k: ocp.CheckpointManager(
+            f"{root}/{i}", item_handlers=ocp.PyTreeCheckpointHandler(use_compression=zstd))
+            for i, (k, (_, zstd)) in enumerate(ways.items())}
         for run in range(args.runs + 1):
-            for k, tree in trees.items():
-                t0 = time.perf_counter()
-                managers[k].save(run, args=ocp.args.StandardSave(tree()))
+            for k, (tree, _) in ways.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                managers[k].save(run, args=ocp.args.PyTreeSave(tree))
                 t1 = time.perf_counter()
                 managers[k].wait_until_finished()
-                t2 = time.perf_counter()
-                saves, waits, first = times[k]
+                t2, c2 = time.perf_counter(), time.process_time()
+                managers[k].restore(run, args=ocp.args.PyTreeRestore(
+                    target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+                t3 = time.perf_counter()
                 if run == 0:
-                    times[k] = (saves, waits, t2 - t0)
-                else:
-                    saves.append(t1 - t0)
-                    waits.append(t2 - t1)
+                    times[k]["first"] = t2 - t0
+                    continue
+                for part, seconds in (("save", t1 - t0), ("write", t2 - t1),
+                                      ("cpu", c2 - c0), ("restore", t3 - t2)):
+                    times[k][part].append(seconds)
+        sizes = {k: sum(f.stat().st_size for f in Path(f"{root}/{i}/{args.runs}").rglob("*")
+                        if f.is_file()) for i, k in enumerate(ways)}
         for m in managers.values():
             m.close()
     rows = []
-    for k, (saves, waits, first) in times.items():
-        s, w = statistics.median(saves), statistics.median(waits)
-        rows.append(f"| {k} | {s:.2f} | {w:.2f} | {s + w:.2f} | {first:.1f} |")
+    for k, t in times.items():
+        s, w, c, r = (statistics.median(t[part]) for part in ("save", "write", "cpu", "restore"))
+        rows.append(f"| {k} | {s:.2f} | {w:.2f} | {s + w:.2f} | {c:.2f} | {t['first']:.1f} | "
+                    f"{r:.2f} | {sizes[k] / 2**20:.0f} |")
     leaves = len(jax.tree.leaves(state))
     write_results(
         PROBE_RESULTS, "checkpoint", probe_decision(__doc__) + "\n\nCheckpoint writes: "
         f"{args.recipe}'s train state on R = {args.replicas}, {args.precision} ({leaves} "
-        "arrays).", "python " + " ".join(sys.argv),
-        "| written as | save s | background write s | total s | first save s |\n"
-        "|---|---|---|---|---|\n" + "\n".join(rows),
+        f"arrays), after {args.steps} steps on the digits.", "python " + " ".join(sys.argv),
+        "| written as | save s | background write s | total s | CPU s (all threads) | first "
+        "save s | restore s | MiB |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows),
         f"Medians of {args.runs} interleaved saves after a first one.")
 
 
