@@ -70,6 +70,39 @@ def test_the_flags_go_together_and_in_range():
     assert env["JAX_LOCAL_DEVICE_IDS"] == "0,1"
 
 
+def test_a_process_other_than_0_loads_the_step_it_compiled_from_the_cache(tmp_path, monkeypatch):
+    """`settings.compiled` in a process other than 0 (whose programs JAX's cache never holds):
+    the first call compiles and writes an entry as JAX names its own (KEY-cache, KEY-atime);
+    the second loads it, with no compile, and computes what the compiled program does; an entry
+    cut short is compiled again. (Control: the compiles are counted, so a load that compiled
+    would be seen; in process 0 nothing of ours is written.)"""
+    import jax
+
+    from twinstep.processes import settings
+
+    one = jax.devices()[:1]
+    lowered = jax.jit(lambda x, y: {"s": x @ y + 1}).lower(np.ones((3, 3)), np.ones(3))
+    compiles = []
+    real = type(lowered).compile
+    monkeypatch.setattr(type(lowered), "compile", lambda self: compiles.append(1) or real(self))
+    settings.compiled(lowered, one, str(tmp_path))
+    assert len(compiles) == 1 and not list(tmp_path.iterdir())  # process 0: JAX's own cache
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    first = settings.compiled(lowered, one, str(tmp_path))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert len(names) == 2 and names[0].startswith("twinstep-process-"), names
+    assert [n.rsplit("-", 1)[1] for n in names] == ["atime", "cache"], names
+    again = settings.compiled(lowered, one, str(tmp_path))
+    assert len(compiles) == 2  # loaded, not compiled
+    x, y = np.arange(9.0).reshape(3, 3), np.arange(3.0)
+    assert np.array_equal(again(x, y)["s"], first(x, y)["s"])
+    entry = tmp_path / names[1]
+    entry.write_bytes(entry.read_bytes()[:100])
+    cut = settings.compiled(lowered, one, str(tmp_path))
+    assert np.array_equal(cut(x, y)["s"], first(x, y)["s"])
+    assert len(compiles) == 3
+
+
 COMMON = {"steps": STEPS, "eval_every": STEPS, "ckpt_every": 1, "keep": STEPS,
           "precision": "f64", "fast_compile": "mnv4" in FAST_COMPILE_NETS}
 

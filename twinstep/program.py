@@ -33,7 +33,7 @@ from twinstep.collectives import SINGLE
 from twinstep.data import transforms
 from twinstep.nets import Net, layers
 from twinstep.ops.precision import Precision, get_precision
-from twinstep.processes import cluster
+from twinstep.processes import cluster, settings
 
 
 def context(replicas: int, precision: str | Precision, control: str = "none",
@@ -221,7 +221,8 @@ def compile_step(prog: TrainProgram, replicas: int, micro: tuple[int, int], res:
                              jax.ShapeDtypeStruct((*micro, classes), dtype)), dp.MICRO_BATCH,
                             replicas)
     key = dp.placed_shapes(jax.eval_shape(lambda: jax.random.key(0)), dp.REPLICATED, replicas)
-    return prog.step.lower(state, *rows, key).compile()
+    devices = list(dp.mesh(replicas).devices.flat) if replicas > 1 else jax.devices()[:1]
+    return settings.compiled(prog.step.lower(state, *rows, key), devices)
 
 
 def _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh, donate: bool,

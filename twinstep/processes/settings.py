@@ -60,6 +60,54 @@ def use_compile_cache() -> None:
     jax.config.update("jax_compilation_cache_max_size", CACHE_BYTES)
 
 
+def compiled(lowered, devices: list, folder: str | None = None):
+    """``lowered.compile()`` (a `jax.stages.Lowered` for ``devices``, in its device order),
+    loaded from the compilation cache (``folder``, by default JAX's) in every process of a
+    launch. JAX's own entries are written by process 0 alone, and on the CPU each process's key
+    differs (it hashes the process's own devices), so every other process compiled the step
+    again at each start, a restart's too. Such a process keeps its own copy of the executable
+    among JAX's entries, named as JAX names them (``KEY-cache`` and its last use,
+    ``KEY-atime``) so that JAX's size bound evicts it too; KEY is ``twinstep-process-`` and a
+    hash of the program's text, the devices and their processes, JAX's version and XLA_FLAGS.
+    An entry that cannot be read or written is compiled as without a cache
+    (docs/speed.md#compilation-cache)."""
+    folder = folder or jax.config.jax_compilation_cache_dir
+    if jax.process_index() == 0 or not folder:
+        return lowered.compile()
+    import hashlib
+    import time
+
+    from jax.experimental import serialize_executable
+
+    place = [(d.id, d.process_index, d.platform) for d in devices]
+    text = "\n".join([lowered.as_text(), repr(place), str(jax.process_index()),
+                      jax.__version__, jax.lib.__version__, os.environ.get("XLA_FLAGS", "")])
+    key = os.path.join(folder, "twinstep-process-" + hashlib.sha256(text.encode()).hexdigest())
+
+    def used() -> None:  # the time JAX's eviction orders entries by (its last use)
+        with open(f"{key}-atime", "wb") as f:
+            f.write(time.time_ns().to_bytes(8, "little"))
+
+    in_tree = jax.tree.structure(lowered.args_info)
+    try:
+        with open(f"{key}-cache", "rb") as f:
+            done = serialize_executable.deserialize_and_load(
+                f.read(), in_tree, lowered.out_tree, execution_devices=devices)
+        with contextlib.suppress(OSError):
+            used()
+        return done
+    except Exception:  # noqa: BLE001 - absent, cut short or stale: compile as without a cache
+        pass
+    done = lowered.compile()
+    with contextlib.suppress(Exception):
+        payload, _, _ = serialize_executable.serialize(done)
+        used()  # first: JAX's eviction reads the last use of every entry it finds
+        with open(f"{key}.{os.getpid()}.tmp", "wb") as f:
+            f.write(payload)
+        os.replace(f"{key}.{os.getpid()}.tmp", f"{key}-cache")  # whole, or not there
+    return done
+
+
 def check_xla_flags() -> None:
     """XLA reads XLA_FLAGS when its backend starts and aborts the process on a flag it does not
     know, with its own log line and no exit status of ours. When XLA_FLAGS is set, a throw-away
