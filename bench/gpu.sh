@@ -3,7 +3,7 @@
 # (img/s, MFU; bench/gpu_step.py), whether XLA kept the bf16 convolutions bf16
 # (bench/gpu_bf16_hlo.py), then `twinstep train` end to end on generated JPEGs and their packed
 # copy through Pillow and DALI (img/s, data vs step; bench/gpu_train.py). Needs no network; at
-# most 8 minutes (each part has a time limit).
+# most 9.5 minutes (each part has a time limit: 280 + 60 + 220 s).
 #
 #   bash bench/gpu.sh            # from the repository root, on a machine with an NVIDIA GPU
 #
@@ -44,7 +44,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader \
     2>/dev/null || true
 
-timeout 240 "$PY" bench/gpu_step.py --json "$out/gpu_step.json"
+timeout 280 "$PY" bench/gpu_step.py --json "$out/gpu_step.json"
 step=$?
 timeout 60 "$PY" bench/gpu_bf16_hlo.py --hlo-dir "$out/hlo"
 bf16=$?
@@ -60,7 +60,7 @@ if ! "$PY" -c 'import nvidia.dali' 2>/dev/null; then
         paths="pillow pillow-packed"; }
 fi
 # shellcheck disable=SC2086 # the paths are words
-timeout 180 "$PY" bench/gpu_train.py --json "$out/gpu_train.json" --paths $paths
+timeout 220 "$PY" bench/gpu_train.py --json "$out/gpu_train.json" --paths $paths
 train=$?
 echo "gpu.sh: gpu_step exit $step, gpu_bf16_hlo exit $bf16, gpu_train exit $train"
 [ "$step" -eq 0 ] && [ "$bf16" -eq 0 ] && [ "$train" -eq 0 ] && exit 0

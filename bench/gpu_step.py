@@ -13,13 +13,15 @@ bf16 peak.
 
     python bench/gpu_step.py [--nets resnet50 mnv4] [--res 224] [--steps 30] [--peak-tflops 989]
 
-Prints one line per net and writes bench/gpu_step.json beside itself (or --json PATH). Exit 0
-when it ran, 2 without a GPU.
+Prints one line per net and writes bench/gpu_step.json beside itself (or --json PATH) after
+each net. Exit 0 when it ran, 2 without a GPU, 3 when a net failed (its error is printed and
+the other nets still run).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -43,7 +45,7 @@ GOALS = {"resnet50": 8000, "mnv4": 15000}  # img/s on one H200 (issue 16)
 def build(net_name: str, batch: int, res: int, classes: int, options: dict | None = None):
     """(compiled step, its arguments, MACs per step) at ``batch`` examples of ``res``²;
     ``options``: XLA compiler options for this compile only."""
-    recipe = recipes.parse(f"{net_name}in_adamdp{batch}bf16")
+    recipe = dataclasses.replace(recipes.parse(f"{net_name}in_adamdpbf16"), batch=batch)
     net = get_net(net_name)
     made = program.train_program(net, recipe, classes, 1, "bf16", donate=True)
     shapes = net.param_shapes(classes)
@@ -131,17 +133,23 @@ def main(argv=None) -> int:
     if render.local_platform() not in ("cuda", "rocm"):
         print(f"no GPU: JAX runs on {jax.default_backend()}", file=sys.stderr)
         return 2
-    rows = []
+    rows, failed = [], 0
     for net_name in args.nets:
-        row = run_net(net_name, args)
+        try:
+            row = run_net(net_name, args)
+        except Exception as e:  # one net's failure (out of memory, say) leaves the other's row
+            print(f"{net_name}: FAILED: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            failed += 1
+            continue
         rows.append(row)
         print(f"{net_name}: batch {row['batch']} at {args.res}², bf16: {row['img_per_s']:,.0f} "
               f"img/s (goal {row['goal_img_per_s']:,}), {row['step_ms']:.1f} ms/step, MFU "
               f"{row['mfu']:.1%}, compile + sizing {row['compile_and_sizing_s']:.0f} s",
               flush=True)
-    args.json.write_text(json.dumps({"device": str(jax.devices()[0].device_kind),
-                                     "jax": jax.__version__, "rows": rows}, indent=1))
-    return 0
+        # after each net: a run cut short by its time limit keeps what it measured
+        args.json.write_text(json.dumps({"device": str(jax.devices()[0].device_kind),
+                                         "jax": jax.__version__, "rows": rows}, indent=1))
+    return 3 if failed else 0
 
 
 if __name__ == "__main__":

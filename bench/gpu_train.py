@@ -14,7 +14,8 @@ For each, three rates:
           "step"
 
 Compiles are shared through a JAX compilation cache in the temporary folder. Prints one line
-per (net, path) and writes JSON (--json) after each, so a run cut short keeps what it measured.
+per (net, path) and writes JSON (--json) after each, so a run cut short keeps what it measured;
+a path that fails prints its error and the others still run (exit 3).
 On a machine without a GPU it runs too (its CPU twin, at a small --res): `make test` does not run
 it, tests/test_dali.py holds the DALI path on CPU.
 
@@ -87,6 +88,7 @@ def main() -> int:
 
     results = {"device": jax.devices()[0].device_kind, "res": args.res, "batch": args.batch,
                "steps": args.steps, "workers": args.workers, "runs": []}
+    failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax-cache"))
         folder, packed = os.path.join(tmp, "folder"), os.path.join(tmp, "packed")
@@ -100,16 +102,22 @@ def main() -> int:
             for name in args.paths:
                 kind, from_packed = PATHS[name]
                 data = packed if from_packed else folder
-                fed = data_rate(data, kind, recipe, args.res, args.workers, args.steps)
-                trained = train_rate(data, kind, recipe, args.res, args.workers, args.steps,
-                                     os.path.join(tmp, f"{net}-{name}"))
+                try:
+                    fed = data_rate(data, kind, recipe, args.res, args.workers, args.steps)
+                    trained = train_rate(data, kind, recipe, args.res, args.workers,
+                                         args.steps, os.path.join(tmp, f"{net}-{name}"))
+                except Exception as e:  # one path's failure leaves the others' rows
+                    print(f"{net:9s} {name:13s} FAILED: {type(e).__name__}: {str(e)[:2000]}",
+                          flush=True)
+                    failed += 1
+                    continue
                 bound = "data" if trained >= 0.9 * fed else "step"
                 results["runs"].append({"net": net, "path": name, "data_img_per_s": fed,
                                         "train_img_per_s": trained, "bound": bound})
                 print(f"{net:9s} {name:13s} data {fed:8.0f} img/s   train {trained:8.0f} "
                       f"img/s   bound by the {bound}", flush=True)
                 Path(args.json).write_text(json.dumps(results, indent=1))
-    return 0
+    return 3 if failed else 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ The table rewrites the section "Levers" of bench/RESULTS.md, or "Sync-BN overhea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -58,7 +59,7 @@ def grad_label(synced: bool, suffix: str = "") -> str:
 def variants(name: str, res: int, replicas: int, global_batch: int, classes: int,
              sync_bn_only: bool = False) -> dict:
     net = get_net(name)
-    recipe = recipes.parse(f"{name}in_adamdp{global_batch // replicas}")
+    recipe = dataclasses.replace(recipes.parse(f"{name}in_adamdp"), batch=global_batch // replicas)
     shapes = net.param_shapes(classes)
     params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
                                 linear=net.LINEAR_INIT)
