@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# The GPU check, one script: twinstep's bf16 train step of both nets at 224² on one device
-# (img/s, MFU; bench/gpu_step.py), whether XLA kept the bf16 convolutions bf16
-# (bench/gpu_bf16_hlo.py), then `twinstep train` end to end on generated JPEGs and their packed
-# copy through Pillow and DALI (img/s, data vs step; bench/gpu_train.py). Needs no network; at
-# most 9.5 minutes (each part has a time limit: 280 + 60 + 220 s).
+# The GPU check, one script in three parts: `step`, twinstep's bf16 train step of each net at
+# 224² on one device (img/s, MFU; bench/gpu_step.py); `hlo`, whether XLA kept the bf16
+# convolutions bf16 (bench/gpu_bf16_hlo.py); `train`, `twinstep train` end to end on generated
+# JPEGs and their packed copy through Pillow and DALI (img/s, data vs step; bench/gpu_train.py).
+# Needs no network.
 #
-#   bash bench/gpu.sh            # from the repository root, on a machine with an NVIDIA GPU
+#   bash bench/gpu.sh [step] [hlo] [train]      # default: all three; from the repository root
+#   NETS=mnv4 bash bench/gpu.sh step hlo        # one net
+#
+# Each part has a time limit (step 360 s, hlo 150 s, train 300 s). Seen on one H200 (2026-12-04,
+# bench/RESULTS.md#gpu): step, ResNet-50 86 s, MobileNetV4 over 190 s (cut there; its autotuned
+# compile at batch 256 alone took 81 s); hlo, ResNet-50 about 35 s, MobileNetV4 over 25 s (cut);
+# train, 33 s writing the JPEGs, then ResNet-50's two Pillow paths in about 150 s. All of it
+# does not fit one session's 15 minutes of device time: pick parts and NETS.
 #
 # JAX with CUDA: the python3 on PATH (or $PY) is used as it is when its JAX sees a GPU; else the
 # [cuda] extra is installed, from wheels in ./.wheels when that folder exists (no network needed:
@@ -17,8 +24,15 @@
 # under $OUT/ when $OUT
 # is set; their numbers (img/s and MFU per net, the bf16 check's verdict) belong under the
 # heading "## GPU" of bench/RESULTS.md, written there by hand: this script writes JSON only.
-# Exit: 0 ran, 1 a bf16 check failed, 2 no GPU, 3 environment error.
+# Exit: 0 ran, 1 a bf16 check failed, 2 no GPU, 3 environment error or a part failed.
 set -u
+parts=" ${*:-step hlo train} "
+for part in $parts; do
+    case $part in step | hlo | train) ;; *) echo "gpu.sh: no part '$part' (step, hlo, train)" >&2
+        exit 2 ;; esac
+done
+# shellcheck disable=SC2206 # the nets are words
+nets=(${NETS:-resnet50 mnv4})
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 out=${OUT:-bench}
@@ -44,25 +58,33 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader \
     2>/dev/null || true
 
-timeout 280 "$PY" bench/gpu_step.py --json "$out/gpu_step.json"
-step=$?
-timeout 60 "$PY" bench/gpu_bf16_hlo.py --hlo-dir "$out/hlo"
-bf16=$?
-paths="pillow pillow-packed dali dali-packed"
-if ! "$PY" -c 'import nvidia.dali' 2>/dev/null; then
-    if [ -d .wheels ]; then
-        "$PY" -m pip install -q --no-index --find-links .wheels -e '.[dali]' 2>/dev/null
-    else
-        "$PY" -m pip install -q -e '.[dali]' 2>/dev/null
-    fi
-    "$PY" -c 'import nvidia.dali' 2>/dev/null || {
-        echo "gpu.sh: DALI does not install here; timing the Pillow paths only" >&2
-        paths="pillow pillow-packed"; }
+step=0 bf16=0 train=0
+if [[ $parts == *" step "* ]]; then
+    timeout 360 "$PY" bench/gpu_step.py --nets "${nets[@]}" --json "$out/gpu_step.json"
+    step=$?
 fi
-# shellcheck disable=SC2086 # the paths are words
-timeout 220 "$PY" bench/gpu_train.py --json "$out/gpu_train.json" --paths $paths
-train=$?
-echo "gpu.sh: gpu_step exit $step, gpu_bf16_hlo exit $bf16, gpu_train exit $train"
+if [[ $parts == *" hlo "* ]]; then
+    timeout 150 "$PY" bench/gpu_bf16_hlo.py --nets "${nets[@]}" --hlo-dir "$out/hlo"
+    bf16=$?
+fi
+if [[ $parts == *" train "* ]]; then
+    paths="pillow pillow-packed dali dali-packed"
+    if ! "$PY" -c 'import nvidia.dali' 2>/dev/null; then
+        if [ -d .wheels ]; then
+            "$PY" -m pip install -q --no-index --find-links .wheels -e '.[dali]' 2>/dev/null
+        else
+            "$PY" -m pip install -q -e '.[dali]' 2>/dev/null
+        fi
+        "$PY" -c 'import nvidia.dali' 2>/dev/null || {
+            echo "gpu.sh: DALI does not install here; timing the Pillow paths only" >&2
+            paths="pillow pillow-packed"; }
+    fi
+    # shellcheck disable=SC2086 # the paths are words
+    timeout 300 "$PY" bench/gpu_train.py --nets "${nets[@]}" --json "$out/gpu_train.json" \
+        --paths $paths
+    train=$?
+fi
+echo "gpu.sh:${parts}: gpu_step exit $step, gpu_bf16_hlo exit $bf16, gpu_train exit $train"
 [ "$step" -eq 0 ] && [ "$bf16" -eq 0 ] && [ "$train" -eq 0 ] && exit 0
 [ "$bf16" -eq 1 ] && exit 1
 exit 3

@@ -33,7 +33,10 @@ _DTYPE = r"(bf16|f16|f32|f64)\[[\d,]*\]"
 
 def conv_like(hlo: str):
     """Yield (kind, operand dtypes, result dtypes) for every convolution and GEMM of an optimized
-    HLO module's text."""
+    HLO module's text. Newer XLA prints operands by name only (``custom-call(%a, %b)``): their
+    dtypes are then read from the instructions that define them (names are unique in a
+    module)."""
+    defined = dict(re.findall(r"^\s*(?:ROOT )?(%[\w.\-]+) = \(?" + _DTYPE, hlo, re.M))
     for line in hlo.splitlines():
         target = re.search(r'custom_call_target="([^"]+)"', line)
         if target and ("conv" in target.group(1) or "gemm" in target.group(1)
@@ -46,7 +49,21 @@ def conv_like(hlo: str):
         call = re.search(r"\b(custom-call|convolution)\(", line)
         result = line[line.index("=") + 1:call.start()]
         operands = line[call.end():].split(")")[0]
-        yield kind, tuple(re.findall(_DTYPE, operands)), tuple(re.findall(_DTYPE, result))
+        dtypes = re.findall(_DTYPE, operands) or [
+            defined.get(name, "?") for name in re.findall(r"%[\w.\-]+", operands)]
+        yield kind, tuple(dtypes), tuple(re.findall(_DTYPE, result))
+
+
+def check(optimized: str, expected: int) -> tuple[bool, collections.Counter, int]:
+    """(every convolution bf16 and ``expected`` of them found, the ops counted by (kind, operand
+    dtypes, result dtypes), how many were bf16) for an optimized HLO module's text."""
+    counts, accounted, ok = collections.Counter(), 0, True
+    for kind, operands, result in conv_like(optimized):
+        counts[(kind, "/".join(operands), "/".join(result))] += 1
+        bf16 = set(operands) == {"bf16"} and result[:1] == ("bf16",)
+        accounted += bf16
+        ok = ok and (bf16 or "conv" not in kind)
+    return ok and accounted >= expected, counts, accounted
 
 
 def main(argv=None) -> int:
@@ -69,16 +86,8 @@ def main(argv=None) -> int:
         if args.hlo_dir:
             with open(f"{args.hlo_dir}/{NAMES[net]}.optimized.hlo", "w") as f:
                 f.write(optimized)
-        counts = collections.Counter()
-        accounted = 0
-        for kind, operands, result in conv_like(optimized):
-            counts[(kind, "/".join(operands), "/".join(result))] += 1
-            bf16 = set(operands) == {"bf16"} and result[:1] == ("bf16",)
-            accounted += bf16
-            if "conv" in kind and not bf16:
-                ok = False
-        if accounted < expected:
-            ok = False
+        net_ok, counts, accounted = check(optimized, expected)
+        ok = ok and net_ok
         print(f"{net}: {expected} convolutions in the StableHLO; {accounted} bf16 convolution / "
               f"GEMM ops in the optimized HLO")
         for (kind, ops, res), n in sorted(counts.items()):

@@ -11,7 +11,8 @@ MFU = 2 x (the program's multiply-accumulates: forward, input and weight gradien
 its StableHLO by `twinstep.rendering.stablehlo.macs`) per step / step time / the device's dense
 bf16 peak.
 
-    python bench/gpu_step.py [--nets resnet50 mnv4] [--res 224] [--steps 30] [--peak-tflops 989]
+    python bench/gpu_step.py [--nets resnet50 mnv4] [--res 224] [--steps 30] [--batch N]
+                             [--peak-tflops 989]
 
 Prints one line per net and writes bench/gpu_step.json beside itself (or --json PATH) after
 each net. Exit 0 when it ran, 2 without a GPU, 3 when a net failed (its error is printed and
@@ -103,8 +104,11 @@ def time_steps(compiled, args, steps: int) -> list[float]:
 
 def run_net(net_name: str, args) -> dict:
     t0 = time.perf_counter()
-    batch, memory = largest_batch(net_name, args.res, args.classes, args.probe,
-                                  args.memory_fraction, args.max_batch)
+    if args.batch:
+        batch, memory = args.batch, {"device_bytes": device_bytes()}
+    else:
+        batch, memory = largest_batch(net_name, args.res, args.classes, args.probe,
+                                      args.memory_fraction, args.max_batch)
     compiled, call_args, macs = build(net_name, batch, args.res, args.classes)
     compile_s = time.perf_counter() - t0
     times = time_steps(compiled, call_args, args.steps)
@@ -125,6 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30, help="timed steps (median reported)")
     p.add_argument("--probe", type=int, default=128, help="the batch the memory is probed at")
     p.add_argument("--max-batch", type=int, default=1024)
+    p.add_argument("--batch", type=int, help="this batch, without the memory sizing (which "
+                   "compiles each net twice more)")
     p.add_argument("--memory-fraction", type=float, default=0.8)
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
                    help="the device's dense bf16 peak, for MFU (default: H200's)")

@@ -197,6 +197,40 @@ def test_the_collective_reader_sees_bf16_and_sites():
     assert set(SITES) == {"bn_forward", "bn_backward", "grad", "loss"}
 
 
+# lines of the optimized HLO an H200 compiled for resnet50in_adamdp8bf16 at 64² (XLA of JAX
+# 0.11.2; bench/RESULTS.md#gpu), cut short: operands are printed by name only
+GPU_HLO = """\
+  %loop_pad_fusion = bf16[8,69,69,3]{3,2,1,0} fusion(%args_592_.3), kind=kLoop
+  %loop_transpose_fusion.14 = bf16[64,7,7,3]{3,2,1,0} fusion(%args_3_.3), kind=kLoop
+  %get-tuple-element.3199 = bf16[8,16,16,64]{3,2,1,0} get-tuple-element(%fusion.7), index=0
+  %bitcast.3819.0 = bf16[64,1,1,64]{3,2,1,0} bitcast(%wrapped_convert.1)
+  %cudnn-conv.101 = (bf16[8,32,32,64]{3,2,1,0}, u8[0]{0}) custom-call(%loop_pad_fusion, \
+%loop_transpose_fusion.14), window={size=7x7 stride=2x2}, custom_call_target="__cudnn$convForward"
+  %cudnn-conv.102 = (bf16[8,16,16,64]{3,2,1,0}, u8[0]{0}) custom-call(%get-tuple-element.3199, \
+%bitcast.3819.0), window={size=1x1}, custom_call_target="__cudnn$convForward"
+"""
+
+
+def test_the_gpu_hlo_reader_reads_operands_by_name():
+    """bench/gpu_bf16_hlo.py on a GPU's optimized HLO: operand dtypes come from the
+    instructions that define them. Controls: one operand defined as f32, or a convolution
+    fewer than the StableHLO has, fails the check."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_bf16_hlo.py")
+    spec = importlib.util.spec_from_file_location("gpu_bf16_hlo", path)
+    gpu_hlo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_hlo)
+    ok, counts, accounted = gpu_hlo.check(GPU_HLO, 2)
+    assert ok and accounted == 2
+    assert counts == {("__cudnn$convForward", "bf16/bf16", "bf16"): 2}
+    upcast = GPU_HLO.replace("%bitcast.3819.0 = bf16[", "%bitcast.3819.0 = f32[")
+    assert gpu_hlo.check(upcast, 2)[:2] == (
+        False, {("__cudnn$convForward", "bf16/bf16", "bf16"): 1,
+                ("__cudnn$convForward", "bf16/f32", "bf16"): 1})
+    assert not gpu_hlo.check(GPU_HLO, 3)[0]  # a convolution the reader did not find
+
+
 @pytest.mark.parametrize("net,name", [("resnet50", "resnet50in_adamdp2bf16"),
                                       ("mnv4", "mnv4in_adamdp2bf16")])
 @pytest.mark.slow
