@@ -17,7 +17,13 @@
 # JAX with CUDA: the python3 on PATH (or $PY) is used as it is when its JAX sees a GPU; else the
 # [cuda] extra is installed, from wheels in ./.wheels when that folder exists (no network needed:
 # `pip download 'jax[cuda12]>=0.10.2,<0.11' -d .wheels` on a machine that has one), else from the
-# package index. twinstep itself runs from this checkout (PYTHONPATH), not installed.
+# package index. twinstep itself runs from this checkout (PYTHONPATH), not installed. When the
+# machine's JAX sees a GPU but twinstep's other dependencies are missing (an offline machine
+# with its own JAX), the wheels in ./.wheels other than JAX's are unpacked into a private folder
+# put on PYTHONPATH, the machine's JAX left as it is; on 2026-12-04 an H200 machine needed
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform \
+#     manylinux_2_28_x86_64 -d .wheels grain==0.2.18 array_record==0.8.6 portpicker \
+#     tensorboardX==2.6.5 optax==0.2.8 orbax-checkpoint==0.12.8
 # DALI: the [dali] extra when it installs (from ./.wheels, else the index); without it the
 # train timing runs the Pillow paths only.
 # Results: bench/gpu_step.json, bench/gpu_train.json (and the optimized HLO in bench/hlo/), or
@@ -54,6 +60,16 @@ if ! has_gpu; then
     fi
     has_gpu || { echo "gpu.sh: no GPU for JAX on this machine" >&2; exit 2; }
 fi
+# what the parts import beyond the machine's usual packages
+deps='import twinstep.api, grain, array_record, portpicker, orbax.checkpoint, optax, tensorboardX'
+if ! "$PY" -c "$deps" 2>/dev/null && [ -d .wheels ]; then
+    site=$(mktemp -d)
+    wheels=$(find .wheels -name '*.whl' ! -name 'jax-*' ! -name 'jaxlib-*' ! -name 'jax_*')
+    # shellcheck disable=SC2086 # the wheels are words
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" $wheels || exit 3
+    export PYTHONPATH=$PYTHONPATH:$site
+fi
+"$PY" -c "$deps" || { echo "gpu.sh: twinstep's dependencies do not import here" >&2; exit 3; }
 "$PY" -c 'import jax; d = jax.devices()[0]; print(f"jax {jax.__version__} on {d.device_kind}")'
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader \
     2>/dev/null || true
