@@ -23,6 +23,7 @@ R virtual devices. Rewrites the section "Peers" of bench/RESULTS.md and draws be
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -135,7 +136,7 @@ def peers(name: str, res: int, replicas: int, global_batch: int, classes: int) -
     """{peer: (runner, compile s, memory bytes)} at R replicas of N = global_batch / R."""
     net = get_net(name)
     n = global_batch // replicas
-    recipe = recipes.parse(f"{name}in_adamdp{n}")
+    recipe = dataclasses.replace(recipes.parse(f"{name}in_adamdp"), batch=n)
     shapes = net.param_shapes(classes)
     params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
                                 linear=net.LINEAR_INIT)

@@ -11,6 +11,7 @@ says the body runs as fast as the step outside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -49,7 +50,8 @@ def programs(name: str, res: int, batch: int) -> dict:
     grad = grad.lower(params, buffers, xs[0], ts[0]).compile()
     fns["grad_step"] = lambda: block(grad(params, buffers, xs[0], ts[0]))
     for k in (1, 2):
-        recipe = recipes.parse(f"{name}in_accdp{k}x{batch}" if k > 1 else f"{name}in_adamdp{batch}")
+        named = f"{name}in_accdp{k}x" if k > 1 else f"{name}in_adamdp"
+        recipe = dataclasses.replace(recipes.parse(named), batch=batch)
         acc = jax.jit(lambda p, b, x, t, recipe=recipe: step.accumulate(
             net, recipe, p, b, x, t, key, ctx)[0])
         acc = acc.lower(params, buffers, xs[:k], ts[:k]).compile()

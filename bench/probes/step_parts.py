@@ -12,6 +12,7 @@ windows, taken in the OIHW kernel's own order, no longer need (bench/history/202
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def parts(name: str, res: int, batch: int) -> dict:
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((batch, res, res, 3)), jnp.float32)
     t = jax.nn.one_hot(jnp.asarray(rng.integers(0, CLASSES, batch)), CLASSES)
-    recipe = recipes.parse(f"{name}in_adamdp{batch}")
+    recipe = dataclasses.replace(recipes.parse(f"{name}in_adamdp"), batch=batch)
     opt = optax.adamw(optim.recipe_schedule(recipe), *optim.BETAS, eps=optim.EPS["adamw"],
                       weight_decay=recipe.effective_weight_decay)
     fns = {}
