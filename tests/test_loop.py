@@ -54,7 +54,8 @@ SETTINGS = {"adamw": ("resnet50in_emaaccdp2x2wx", 64, None),  # AdamW, EMA, k = 
 # updates starts from twinstep's state before it: every step is timm's step, from the same state
 FROM_OURS = ("mnv4-conv-m", "mom", "sgd")
 # make test's, with QUICK_CONTROL; the rest, and every control: test-all. With LAMB too, its
-# set-up took 295 s of one worker in CI's contention (127 s alone) and make test 22.7 min
+# set-up took 279-295 s of one worker in CI's contention (127 s alone) and make test 22.7 and
+# 23.7 min in two runs (without it 19.1-19.6)
 IN_MAKE_TEST = ("adamw",)
 # timm_recipe's five, and stochastic depth's and dropout's masks drawn by torch ("own-masks")
 CONTROLS = ("per-epoch", "warmup-from-0", "bn-momentum", "ema-warmup", "decay-everything",
