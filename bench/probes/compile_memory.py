@@ -12,8 +12,12 @@ cache, in interleaved rounds:
   before the state and the data exist, then malloc_trim);
 - warm: the run again on the cache a cold run left.
 
+Each at every --replicas (the same global batch): beside the process's memory, "compile only"
+reports the step's own buffers as XLA's memory analysis gives them, its arguments and
+temporaries on every device (R x per device), the floor any run of that program stands on.
+
     python bench/probes/compile_memory.py [--recipe mnv4in_adamdp16] [--batch 64] [--res 32]
-                                          [--replicas 1] [--steps 10] [--rounds 3]
+                                          [--replicas 1 4] [--steps 10] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -53,10 +57,14 @@ def _compile_only(args) -> dict:
                       res=args.res, steps=args.steps)
     recipe = cfg.parsed_recipe()
     prog = program.train_program(get_net(recipe.net), recipe, 10, args.replicas, "f32")
-    program.compile_step(prog, args.replicas, (recipe.accum, cfg.rows), args.res, 10, "f32")
+    compiled = program.compile_step(prog, args.replicas, (recipe.accum, cfg.rows), args.res,
+                                    10, "f32")
     rss, peak = _mib()
+    m = compiled.memory_analysis()  # per device; the outputs alias the donated arguments
+    buffers = args.replicas * (m.argument_size_in_bytes + m.temp_size_in_bytes) / 2**20
     settings.release_freed_memory()
-    return {"compiled_rss": rss, "compile_peak": peak, "trimmed_rss": _mib()[0]}
+    return {"compiled_rss": rss, "compile_peak": peak, "trimmed_rss": _mib()[0],
+            "step_buffers": buffers}
 
 
 def _variant(args) -> dict:
@@ -95,43 +103,49 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="mnv4in_adamdp16")
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=64, help="the global batch, R x N")
     p.add_argument("--res", type=int, default=32)
-    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 4])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.variant:
+        args.replicas = args.replicas[0]
         print(json.dumps(_variant(args)))
         return
-    found = {v: [] for v in VARIANTS}
-    for r in range(args.rounds):
-        with tempfile.TemporaryDirectory() as tmp:
-            for v in VARIANTS:  # each its own empty cache, but warm reads the one cold left
-                cache = os.path.join(tmp, "cold" if v == "warm" else v.replace(" ", "-"))
-                env = {k: x for k, x in os.environ.items()
-                       if k not in ("JAX_COMPILATION_CACHE_DIR", "TWINSTEP_NO_COMPILE_CACHE")}
-                done = subprocess.run(
-                    [sys.executable, __file__, "--variant", v, "--recipe", args.recipe,
-                     "--batch", str(args.batch), "--res", str(args.res), "--replicas",
-                     str(args.replicas), "--steps", str(args.steps)],
-                    env={**env, "TWINSTEP_COMPILE_CACHE": cache},
-                    capture_output=True, text=True, check=True)
-                found[v].append(json.loads(done.stdout.strip().splitlines()[-1]))
-                print(f"round {r + 1} {v}: {found[v][-1]}", file=sys.stderr, flush=True)
+    found = {(r, v): [] for r in args.replicas for v in VARIANTS}
+    for n in range(args.rounds):
+        for r in args.replicas:
+            with tempfile.TemporaryDirectory() as tmp:
+                for v in VARIANTS:  # each its own empty cache, but warm reads the one cold left
+                    cache = os.path.join(tmp, "cold" if v == "warm" else v.replace(" ", "-"))
+                    env = {k: x for k, x in os.environ.items()
+                           if k not in ("JAX_COMPILATION_CACHE_DIR", "TWINSTEP_NO_COMPILE_CACHE")}
+                    done = subprocess.run(
+                        [sys.executable, __file__, "--variant", v, "--recipe", args.recipe,
+                         "--batch", str(args.batch // r), "--res", str(args.res), "--replicas",
+                         str(r), "--steps", str(args.steps)],
+                        env={**env, "TWINSTEP_COMPILE_CACHE": cache},
+                        capture_output=True, text=True, check=True)
+                    found[r, v].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                    print(f"round {n + 1} R = {r} {v}: {found[r, v][-1]}", file=sys.stderr,
+                          flush=True)
 
-    def med(v, k):
-        values = [f[k] for f in found[v] if k in f]
+    def med(r, v, k):
+        values = [f[k] for f in found[r, v] if k in f]
         return f"{statistics.median(values):.0f}" if values else ""
 
-    rows = ["| variant | peak MiB | RSS after the step's compile MiB | after malloc_trim MiB | "
-            "RSS after step 1 MiB | wall s |", "|---|---|---|---|---|---|"]
-    rows += [f"| {v} | {med(v, 'peak')} | {med(v, 'compiled_rss')} | {med(v, 'trimmed_rss')} | "
-             f"{med(v, 'step1_rss')} | {med(v, 'wall')} |" for v in VARIANTS]
+    rows = ["| R x N | variant | peak MiB | RSS after the step's compile MiB | after malloc_trim "
+            "MiB | RSS after step 1 MiB | the step's buffers MiB | wall s |",
+            "|---|---|---|---|---|---|---|---|"]
+    rows += [f"| {r} x {args.batch // r} | {v} | {med(r, v, 'peak')} | "
+             f"{med(r, v, 'compiled_rss')} | {med(r, v, 'trimmed_rss')} | "
+             f"{med(r, v, 'step1_rss')} | {med(r, v, 'step_buffers')} | {med(r, v, 'wall')} |"
+             for r in args.replicas for v in VARIANTS]
     write_results(
         PROBE_RESULTS, "compile_memory", probe_decision(__doc__) + "\n\n"
-        f"`{args.recipe}` at R = {args.replicas}, N = {args.batch}, {args.res}², {args.steps} "
+        f"`{args.recipe}` at a global batch of {args.batch}, {args.res}², {args.steps} "
         "steps, f32, on the digits; one process's RSS.",
         "python bench/probes/compile_memory.py " + " ".join(sys.argv[1:]), "\n".join(rows),
         f"Medians of {args.rounds} interleaved rounds, each variant in a fresh process.")
