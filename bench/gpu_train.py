@@ -75,8 +75,9 @@ def train_rate(data: str, kind: str, recipe: str, res: int, workers: int, steps:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f if '"eval"' not in line]
     # img_per_s is cumulative from the end of the first step: recover each line's clock
-    per_step = recipes.parse(recipe).batch * recipes.parse(recipe).accum
-    clock = [(r["step"] - 1) * per_step / r["img_per_s"] for r in lines[-2:]]
+    r = recipes.parse(recipe)
+    per_step = r.batch * r.accum
+    clock = [(line["step"] - 1) * per_step / line["img_per_s"] for line in lines[-2:]]
     return (lines[-1]["step"] - lines[-2]["step"]) * per_step / (clock[1] - clock[0])
 
 
