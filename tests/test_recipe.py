@@ -12,7 +12,8 @@ from twinstep import recipes
 from twinstep.cli import main
 from twinstep.cli.recipe import describe
 from twinstep.nets import NETS
-from twinstep.recipes import PRESETS, REFERENCE_NAMES, Recipe, RecipeError, parse
+from twinstep.presets import IMAGENET_TRAIN_IMAGES, PRESETS, REFERENCE_NAMES
+from twinstep.recipes import Recipe, RecipeError, parse
 
 # name -> the fields it must decode to (the rest: the dataclass defaults)
 EXPECTED = {
@@ -174,7 +175,7 @@ def test_presets():
     assert a1.drop and a2.drop and not a3.drop and m.drop and m.dropout
     assert m.drop_path_rate == 0.075 and m.dropout_rate == 0.2
     assert not any(p.ema for p in (a1, a2, a3, m))
-    assert a3.total_steps == 100 * (recipes.IMAGENET_TRAIN_IMAGES // 2048)
+    assert a3.total_steps == 100 * (IMAGENET_TRAIN_IMAGES // 2048)
     for key, p in PRESETS.items():
         assert parse(key) is p
         q = parse(p.name)  # the name is lossy for lr, epochs, ...: only its fields survive

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from twinstep import dp, program, recipes, step
+from twinstep import dp, presets, program, recipes, step
 from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS
 from twinstep.errors import RenderError
 from twinstep.nets import get_net
@@ -229,4 +229,4 @@ def write(r: Render, out: str) -> dict[str, str]:
 
 def all_names() -> list[str]:
     """`render --all`: the reference names (docs/recipes.md), then the presets."""
-    return list(recipes.REFERENCE_NAMES) + list(recipes.PRESETS)
+    return list(presets.REFERENCE_NAMES) + list(presets.PRESETS)
