@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from twinstep import dp, program, recipes
-from twinstep.checking import oracle
+from twinstep.checking import cases, oracle
 from twinstep.nets import get_net
 
 REPLICAS = [1, 2, 3, 4]
@@ -21,14 +21,14 @@ N = 2  # per replica
 
 def op_cases(rng, count):
     n = count * N
-    return [oracle.conv_case(rng, n, 5, 3, 4, 3, 2), oracle.conv_case(rng, n, 6, 3, 4, 1, 2),
-            oracle.conv_case(rng, n, 5, 3, 4, 7, 2, False, "conv"),
-            oracle.conv_case(rng, n, 5, 3, 3, 5, 2, True, "shift"),
-            oracle.conv_case(rng, n, 5, 3, 3, 3, 1, True, "grouped"),
-            oracle.bn_train_case(rng, n, 3, 4), oracle.relu_case(rng, n, 4, 3),
-            oracle.maxpool_case(rng, n, 5, 3), oracle.gap_case(rng, n, 4, 3),
-            oracle.dense_case(rng, n, 6, 5), oracle.add_case(rng, n, 3, 2),
-            oracle.mask_case(rng, n, 3, 2, True), oracle.mask_case(rng, n, 3, 2, False)]
+    return [cases.conv_case(rng, n, 5, 3, 4, 3, 2), cases.conv_case(rng, n, 6, 3, 4, 1, 2),
+            cases.conv_case(rng, n, 5, 3, 4, 7, 2, False, "conv"),
+            cases.conv_case(rng, n, 5, 3, 3, 5, 2, True, "shift"),
+            cases.conv_case(rng, n, 5, 3, 3, 3, 1, True, "grouped"),
+            cases.bn_train_case(rng, n, 3, 4), cases.relu_case(rng, n, 4, 3),
+            cases.maxpool_case(rng, n, 5, 3), cases.gap_case(rng, n, 4, 3),
+            cases.dense_case(rng, n, 6, 5), cases.add_case(rng, n, 3, 2),
+            cases.mask_case(rng, n, 3, 2, True), cases.mask_case(rng, n, 3, 2, False)]
 
 
 @pytest.mark.parametrize("count", REPLICAS)
@@ -48,7 +48,7 @@ def test_divisor(count, kind, rng):
 def test_bn_controls_fail(count, rng):
     """Per-replica statistics break sharding; shard-statistics gamma breaks the gamma collective
     (and nothing else); a sum where a mean belongs breaks both."""
-    case = oracle.bn_train_case(rng, count * N, 3, 4)
+    case = cases.bn_train_case(rng, count * N, 3, 4)
 
     def verdict(control):
         return {c.check: c.ok for c in oracle.check_dp_facts(case, count, rng, control=control)}
@@ -64,7 +64,7 @@ def test_bn_controls_fail(count, rng):
 def test_gradient_sum_control_fails(count, rng):
     """Summing weight gradients where the mean belongs gives R x the node: the collective fact
     fails."""
-    case = oracle.conv_case(rng, count * N, 4, 2, 3, 3, 1)
+    case = cases.conv_case(rng, count * N, 4, 2, 3, 3, 1)
     checks = {c.check: c.ok for c in oracle.check_dp_facts(case, count, rng, control="sum")}
     assert checks["collectives"] is False
 
@@ -78,7 +78,7 @@ def test_wrong_divisor_control_fails(count, kind, rng):
 @pytest.mark.parametrize("count", [2, 4])
 def test_unshifted_shards_also_tie(count, rng):
     """The shift makes Chan's correction term O(1); the sync check passes with or without it."""
-    case = oracle.bn_train_case(rng, count * N, 3, 4)
+    case = cases.bn_train_case(rng, count * N, 3, 4)
     assert all(c.ok for c in oracle.check_dp_facts(case, count, rng, shift=0.0))
 
 

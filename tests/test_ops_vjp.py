@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from twinstep.checking import oracle
+from twinstep.checking import cases, oracle
 from twinstep.ops import windows
 
 batch = st.integers(1, 4)
@@ -30,13 +30,13 @@ def certify(case, seed):
 @given(n=batch, h=spatial, ci=channels, co=channels, k=kernel, s=stride, seed=seed,
        path=st.sampled_from(["conv", "matmul"]))
 def test_conv2d(n, h, ci, co, k, s, seed, path):
-    certify(oracle.conv_case(np.random.default_rng(seed), n, h, ci, co, k, s, False, path), seed)
+    certify(cases.conv_case(np.random.default_rng(seed), n, h, ci, co, k, s, False, path), seed)
 
 
 @given(n=batch, h=spatial, c=channels, k=kernel, s=stride, seed=seed,
        path=st.sampled_from(["shift", "grouped"]))
 def test_depthwise(n, h, c, k, s, seed, path):
-    certify(oracle.conv_case(np.random.default_rng(seed), n, h, c, c, k, s, True, path), seed)
+    certify(cases.conv_case(np.random.default_rng(seed), n, h, c, c, k, s, True, path), seed)
 
 
 @settings(max_examples=30)
@@ -58,7 +58,7 @@ def test_scatter_windows_is_the_sum_of_its_taps_scatters(k, s, h, seed):
 @given(n=st.integers(2, 4), h=spatial, c=channels, seed=seed)
 def test_batchnorm_train(n, h, c, seed):
     assume(n * h * h >= 3)  # two rows are degenerate: see test_batchnorm_two_rows
-    certify(oracle.bn_train_case(np.random.default_rng(seed), n, h, c), seed)
+    certify(cases.bn_train_case(np.random.default_rng(seed), n, h, c), seed)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -69,7 +69,7 @@ def test_batchnorm_two_rows(seed):
     terms, ||rstd * gamma * dy||: both VJPs agree to 1e-12 of it, and the gamma, beta nodes
     (no cancellation) to 1e-12 as usual."""
     rng = np.random.default_rng(seed)
-    case = oracle.bn_train_case(rng, 2, 1, 5)
+    case = cases.bn_train_case(rng, 2, 1, 5)
     y, res = case.forward(oracle.SINGLE, case.batch, case.masks, case.params)
     dy = oracle._cotangent(rng, y)
     (dx,), (dg, db) = case.vjp(res, dy)
@@ -83,7 +83,7 @@ def test_batchnorm_two_rows(seed):
 
 @given(n=batch, h=spatial, c=channels, seed=seed)
 def test_batchnorm_eval(n, h, c, seed):
-    certify(oracle.bn_eval_case(np.random.default_rng(seed), n, h, c), seed)
+    certify(cases.bn_eval_case(np.random.default_rng(seed), n, h, c), seed)
 
 
 @settings(max_examples=36)  # six ops share the draws
@@ -91,29 +91,29 @@ def test_batchnorm_eval(n, h, c, seed):
        op=st.sampled_from(["relu", "maxpool", "gap", "add", "drop-path", "dropout"]))
 def test_elementwise_and_pooling(n, h, c, seed, op):
     rng = np.random.default_rng(seed)
-    case = {"relu": lambda: oracle.relu_case(rng, n, h, c),
-            "maxpool": lambda: oracle.maxpool_case(rng, n, h, c),
-            "gap": lambda: oracle.gap_case(rng, n, h, c),
-            "add": lambda: oracle.add_case(rng, n, h, c),
-            "drop-path": lambda: oracle.mask_case(rng, n, h, c, True),
-            "dropout": lambda: oracle.mask_case(rng, n, h, c, False)}[op]()
+    case = {"relu": lambda: cases.relu_case(rng, n, h, c),
+            "maxpool": lambda: cases.maxpool_case(rng, n, h, c),
+            "gap": lambda: cases.gap_case(rng, n, h, c),
+            "add": lambda: cases.add_case(rng, n, h, c),
+            "drop-path": lambda: cases.mask_case(rng, n, h, c, True),
+            "dropout": lambda: cases.mask_case(rng, n, h, c, False)}[op]()
     certify(case, seed)
 
 
 @given(n=batch, d=channels, k=channels, seed=seed)
 def test_dense(n, d, k, seed):
-    certify(oracle.dense_case(np.random.default_rng(seed), n, d, k), seed)
+    certify(cases.dense_case(np.random.default_rng(seed), n, d, k), seed)
 
 
 @given(n=batch, k=st.integers(2, 12), seed=seed, kind=st.sampled_from(["ce", "bce"]))
 def test_losses(n, k, seed, kind):
-    certify(oracle.loss_case(np.random.default_rng(seed), n, k, kind), seed)
+    certify(cases.loss_case(np.random.default_rng(seed), n, k, kind), seed)
 
 
 def test_the_checks_can_fail(rng):
     """A VJP that is wrong by a transposed kernel must fail both certifications."""
-    case = oracle.conv_case(rng, 2, 5, 3, 3, 3, 1)
-    wrong = oracle.Case(case.name, case.forward,
+    case = cases.conv_case(rng, 2, 5, 3, 3, 3, 1)
+    wrong = cases.Case(case.name, case.forward,
                         lambda res, dy: ((case.vjp(res, dy)[0][0],),
                                          (case.vjp(res, dy)[1][0].transpose(1, 0, 2, 3),)),
                         case.batch, case.masks, case.params)

@@ -8,7 +8,7 @@ import pytest
 from oracle_libs import timm, torch
 
 from twinstep import dp
-from twinstep.checking import oracle, parity
+from twinstep.checking import cases, oracle, parity
 from twinstep.cli import info
 from twinstep.nets import layers, resnet50
 from twinstep.ops import loss, pool
@@ -51,7 +51,7 @@ def model_state(seed, dtype=jnp.float64):
 def test_explicit_chain_matches_jax_grad(res, batch, rng):
     params, buffers = model_state(res + batch)
     x = jnp.asarray(rng.standard_normal((batch, res, res, 3)))
-    t = oracle.soft_targets(rng, batch, K)
+    t = cases.soft_targets(rng, batch, K)
     ctx = layers.Ctx(precision=F64)
     losses = {"ce": lambda z: loss.smoothed_ce(z, t),
               "bce": lambda z: loss.bce(z, loss.bce_targets(t, 0.1, 0.2))}

@@ -9,6 +9,7 @@ from oracle_libs import F, timm, torch
 
 from twinstep.checking import oracle
 from twinstep.ops import batchnorm, conv, loss, pool
+from twinstep.ops.precision import F64
 
 TOL = 1e-12
 pytestmark = pytest.mark.oracle
@@ -31,10 +32,10 @@ def test_conv_matches_torch(k, s, kind, rng):
     w = rng.standard_normal((c, c if dense else 1, k, k))
     dy = rng.standard_normal((2, conv.conv_out_size(9, k, s), conv.conv_out_size(9, k, s), c))
     if dense:
-        y, res = conv.conv2d_forward(jnp.asarray(x), jnp.asarray(w), s, oracle.F64, kind)
+        y, res = conv.conv2d_forward(jnp.asarray(x), jnp.asarray(w), s, F64, kind)
         dx, dw = conv.conv2d_vjp(res, jnp.asarray(dy))
     else:
-        y, res = conv.depthwise_forward(jnp.asarray(x), jnp.asarray(w), s, oracle.F64, kind)
+        y, res = conv.depthwise_forward(jnp.asarray(x), jnp.asarray(w), s, F64, kind)
         dx, dw = conv.depthwise_vjp(res, jnp.asarray(dy))
     tx, tw = nchw(x), torch.tensor(w, requires_grad=True)
     ty = F.conv2d(tx, tw, stride=s, padding=conv.conv_padding(k),

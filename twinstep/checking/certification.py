@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from twinstep.checking import oracle
+from twinstep.checking import cases, oracle
 from twinstep.errors import UsageError
 
 N = 2  # examples per replica in the data-parallel facts
@@ -40,20 +40,20 @@ def run(replica_counts=(2, 4), seed: int = 0) -> Report:
                          "--replicas 1 2)")
     rng = np.random.default_rng(seed)
     checks = []
-    for case in oracle.all_cases(rng):
+    for case in cases.all_cases(rng):
         checks += [oracle.check_vjp(case, rng), oracle.check_fd(case, rng)]
     controls, variance = [], []
     for count in replica_counts:
         n = count * N
-        dp_cases = [case for case in oracle.all_cases(rng, n=n) if case.per_example]
+        dp_cases = [case for case in cases.all_cases(rng, n=n) if case.per_example]
         for case in dp_cases:
             checks += oracle.check_dp_facts(case, count, rng, shift=1.0)
         for kind in ("ce", "bce"):
             checks.append(oracle.check_divisor(kind, count, rng))
         if count == 1:
             continue
-        bn = oracle.bn_train_case(rng, n, 3, 4)
-        conv = oracle.conv_case(rng, n, 5, 3, 4, 3, 2)
+        bn = cases.bn_train_case(rng, n, 3, 4)
+        conv = cases.conv_case(rng, n, 5, 3, 4, 3, 2)
         facts = {c: {f.check: f for f in oracle.check_dp_facts(case, count, rng, control=c)}
                  for c, case in (("unsynced", bn), ("shard-gamma", bn), ("sum", conv))}
         controls += [("unsynced", "BN sharding", facts["unsynced"]["sharding"]),

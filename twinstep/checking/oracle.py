@@ -1,8 +1,8 @@
 """Oracles that certify the op library (test and `twinstep certify` only — never the step).
 
-Each op is a `Case`: its product forward (output + residuals) and hand-written VJP, with inputs
-split into differentiable batch tensors (sharded with the batch), masks (sharded, constant) and
-parameters (replicated). Against it:
+Each op is a `Case` (`twinstep.checking.cases`): its product forward (output + residuals) and
+hand-written VJP, with inputs split into differentiable batch tensors (sharded with the batch),
+masks (sharded, constant) and parameters (replicated). Against it:
 
 - `check_vjp`: the hand VJP against ``jax.vjp`` of the same forward (norm-relative, TOL_VJP);
 - `check_fd`: a random directional derivative against central finite differences (TOL_FD);
@@ -18,7 +18,6 @@ All checks are meant for float64 (``jax_enable_x64``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +25,9 @@ import numpy as np
 
 from twinstep import dp
 from twinstep.checking.bounds import rel as rel_err
+from twinstep.checking.cases import Case, loss_case_fn, normal, soft_targets
 from twinstep.collectives import SINGLE, Replicas
-from twinstep.ops import activation, batchnorm, conv, dense, elementwise, loss, pool
-from twinstep.ops.precision import F64
+from twinstep.ops import batchnorm
 
 TOL_VJP = 1e-12  # hand VJP vs jax.vjp, norm-relative
 TOL_FD = 1e-6  # directional derivative vs central differences, relative
@@ -38,23 +37,6 @@ TOL_DP = 1e-12  # each data-parallel fact, norm-relative
 
 def worst(pairs) -> float:
     return max((rel_err(a, b) for a, b in pairs), default=0.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One op at one shape.
-
-    forward(replicas, batch, masks, params) -> (y, residuals);
-    vjp(residuals, dy) -> (d batch, d params), tuples in the order of the inputs.
-    """
-
-    name: str
-    forward: Callable
-    vjp: Callable
-    batch: tuple
-    masks: tuple = ()
-    params: tuple = ()
-    per_example: bool = True  # output is batch-shaped (False: a scalar loss)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,166 +51,6 @@ class Check:
     @property
     def ok(self) -> bool:
         return bool(np.isfinite(self.err) and self.err <= self.tol)
-
-
-# ----------------------------------------------------------------------------------- op cases
-
-
-def _normal(rng, shape, shift=0.0):
-    return jnp.asarray(rng.standard_normal(shape) + shift, jnp.float64)
-
-
-def conv_case(rng, n, h, c_in, c_out, k, stride, depthwise=False, path=None) -> Case:
-    x = _normal(rng, (n, h, h, c_in))
-    if depthwise:
-        w = _normal(rng, (c_in, 1, k, k))
-        path = path or conv.default_depthwise_path()
-
-        def fwd(rep, b, m, p):
-            return conv.depthwise_forward(b[0], p[0], stride, F64, path)
-
-        def vjp(res, dy):
-            dx, dw = conv.depthwise_vjp(res, dy)
-            return (dx,), (dw,)
-
-        name = f"depthwise[{path}] k{k} s{stride}"
-    else:
-        w = _normal(rng, (c_out, c_in, k, k)) / np.sqrt(c_in * k * k)
-        path = path or conv.default_dense_path()
-
-        def fwd(rep, b, m, p):
-            return conv.conv2d_forward(b[0], p[0], stride, F64, path)
-
-        def vjp(res, dy):
-            dx, dw = conv.conv2d_vjp(res, dy)
-            return (dx,), (dw,)
-
-        name = f"conv2d[{path}] k{k} s{stride}"
-    return Case(name, fwd, vjp, (x,), (), (w,))
-
-
-def _bn_case_vjp(bn_vjp):
-    """A BN VJP's (dx, d gamma, d beta) as a Case's (d batch, d params)."""
-    def vjp(res, dy):
-        dx, dg, db = bn_vjp(res, dy)
-        return (dx,), (dg, db)
-
-    return vjp
-
-
-def bn_train_case(rng, n, h, c) -> Case:
-    x = _normal(rng, (n, h, h, c), 0.5)
-    gamma, beta = _normal(rng, (c,), 1.0), _normal(rng, (c,))
-
-    def fwd(rep, b, m, p):
-        y, res, _ = batchnorm.bn_train_forward(b[0], p[0], p[1], rep)
-        return y, res
-
-    return Case("batchnorm train", fwd, _bn_case_vjp(batchnorm.bn_train_vjp), (x,), (),
-                (gamma, beta))
-
-
-def bn_eval_case(rng, n, h, c) -> Case:
-    x = _normal(rng, (n, h, h, c))
-    gamma, beta = _normal(rng, (c,), 1.0), _normal(rng, (c,))
-    rm, rv = _normal(rng, (c,)), jnp.asarray(rng.uniform(0.5, 2.0, c))
-
-    def fwd(rep, b, m, p):
-        return batchnorm.bn_eval_forward(b[0], p[0], p[1], rm, rv)
-
-    return Case("batchnorm eval", fwd, _bn_case_vjp(batchnorm.bn_eval_vjp), (x,), (),
-                (gamma, beta))
-
-
-def relu_case(rng, n, h, c) -> Case:
-    x = _normal(rng, (n, h, h, c))
-    return Case("relu", lambda rep, b, m, p: activation.relu_forward(b[0]),
-                lambda res, dy: ((activation.relu_vjp(res, dy),), ()), (x,))
-
-
-def maxpool_case(rng, n, h, c) -> Case:
-    x = _normal(rng, (n, h, h, c))
-    return Case("maxpool 3x3/2", lambda rep, b, m, p: pool.maxpool_forward(b[0]),
-                lambda res, dy: ((pool.maxpool_vjp(res, dy),), ()), (x,))
-
-
-def gap_case(rng, n, h, c) -> Case:
-    x = _normal(rng, (n, h, h, c))
-    return Case("global avg pool", lambda rep, b, m, p: pool.gap_forward(b[0]),
-                lambda res, dy: ((pool.gap_vjp(res, dy),), ()), (x,))
-
-
-def dense_case(rng, n, d, k) -> Case:
-    x = _normal(rng, (n, d))
-    w, b = _normal(rng, (k, d)) / np.sqrt(d), _normal(rng, (k,))
-
-    def vjp(res, dy):
-        dx, dw, db = dense.dense_vjp(res, dy)
-        return (dx,), (dw, db)
-
-    return Case("dense", lambda rep, bt, m, p: dense.dense_forward(bt[0], p[0], p[1]), vjp,
-                (x,), (), (w, b))
-
-
-def add_case(rng, n, h, c) -> Case:
-    a, b = _normal(rng, (n, h, h, c)), _normal(rng, (n, h, h, c))
-    return Case("residual add", lambda rep, bt, m, p: (elementwise.add_forward(*bt), None),
-                lambda res, dy: (elementwise.add_vjp(dy), ()), (a, b))
-
-
-def mask_case(rng, n, h, c, per_example: bool, rate=0.3) -> Case:
-    x = _normal(rng, (n, h, h, c))
-    shape = (n,) if per_example else x.shape
-    mask = jnp.asarray((rng.uniform(size=shape) >= rate) / (1 - rate), jnp.float64)
-    name = "drop-path mask" if per_example else "dropout mask"
-    return Case(name, lambda rep, b, m, p: elementwise.mask_forward(b[0], m[0]),
-                lambda res, dy: ((elementwise.mask_vjp(res, dy),), ()), (x,), (mask,))
-
-
-def soft_targets(rng, n, k):
-    """Soft target rows [n, k] summing to 1 (a mixup of two one-hot labels)."""
-    lam = rng.uniform(0.3, 1.0, (n, 1))
-    a, b = np.eye(k)[rng.integers(0, k, n)], np.eye(k)[rng.integers(0, k, n)]
-    return jnp.asarray(lam * a + (1 - lam) * b)
-
-
-def loss_case(rng, n, k, kind: str) -> Case:
-    z = _normal(rng, (n, k)) * 2.0
-    t = soft_targets(rng, n, k)
-    if kind == "bce":
-        t = loss.bce_targets(t, smoothing=0.1)
-
-    def fwd(rep, b, m, p):
-        value, dlogits = loss_case_fn(kind)(b[0], m[0], rep)
-        return value, dlogits
-
-    return Case(f"loss {kind}", fwd, lambda dz, dy: ((dz * dy,), ()), (z,), (t,),
-                per_example=False)
-
-
-def loss_case_fn(kind: str):
-    """(logits, targets, replicas) -> (loss, dlogits) with the divisor a replica uses
-    (`Replicas.loss_rows`: its own batch, or under a control another)."""
-
-    def f(z, t, rep: Replicas):
-        div = loss.loss_divisor(kind, rep.loss_rows(z.shape[0]), z.shape[-1])
-        return loss.value_and_cotangent(kind, z, t, div)
-
-    return f
-
-
-def all_cases(rng, n=2, h=5, c=3):
-    """Every op at one small shape (the certification summary)."""
-    cases = [conv_case(rng, n, h, c, 4, k, s, False, path)
-             for path in conv.DENSE_PATHS for k in (1, 3, 5, 7) for s in (1, 2)]
-    cases += [conv_case(rng, n, h, c, c, k, s, True, path)
-              for path in conv.DEPTHWISE_PATHS for k in (3, 5) for s in (1, 2)]
-    cases += [bn_train_case(rng, n, h, c), bn_eval_case(rng, n, h, c), relu_case(rng, n, h, c),
-              maxpool_case(rng, n, h, c), gap_case(rng, n, h, c), dense_case(rng, n, 6, 4),
-              add_case(rng, n, h, c), mask_case(rng, n, h, c, True),
-              mask_case(rng, n, h, c, False), loss_case(rng, n, 5, "ce"),
-              loss_case(rng, n, 5, "bce")]
-    return cases
 
 
 # ----------------------------------------------------------------------------- single device
@@ -323,7 +145,7 @@ def check_dp_facts(case: Case, count: int, rng, shift: float = 1.0,
 def check_divisor(kind: str, count: int, rng, n: int = 2, k: int = 5,
                   control: str = "none") -> Check:
     """Fact (4): each replica's loss cotangent is R x its shard of the global cotangent."""
-    z = _normal(rng, (count * n, k)) * 2.0
+    z = normal(rng, (count * n, k)) * 2.0
     t = soft_targets(rng, count * n, k)
     f = loss_case_fn(kind)
     _, dz = f(z, t, SINGLE)
@@ -346,7 +168,7 @@ def naive_moments_exchange(x, rep: Replicas):
 def variance_exchange_errors(count: int, rng, offset: float = 1e4, n=4, h=4, c=8):
     """Relative error of the global variance from f32 shards sharing a large offset, against the
     float64 variance of the same f32 values: (Chan's two-round form, the naive one-round form)."""
-    x64 = dp.shift_shards(_normal(rng, (count * n, h, h, c), offset), count, 1.0)
+    x64 = dp.shift_shards(normal(rng, (count * n, h, h, c), offset), count, 1.0)
     x32 = x64.astype(jnp.float32)
     truth = jnp.var(x32.astype(jnp.float64), axis=(0, 1, 2))  # of the values the replicas hold
     rep = dp.replicas(count)
