@@ -158,5 +158,24 @@ def check(manifest, where: str) -> recipes.Recipe:
         if not isinstance(rows, list) or not all(
                 isinstance(r, dict) and {"name", "shape", "dtype", "spec"} <= set(r) for r in rows):
             raise RenderError(f"{where}: {key} is not a list of name/shape/dtype/spec rows")
+    _check_batch_rows(manifest, where)
     return recipe
 
+
+def _check_batch_rows(manifest: dict, where: str) -> None:
+    """The fields a step's batch is built from — accum, res, classes — against the manifest's own
+    xs [k, R N, res, res, 3] and ts [k, R N, K] rows, to which the program's signature is held
+    when it loads: a field edited alone is refused here, before JAX starts, not by the step's
+    signature once a tie has compiled and run its single-device side. (R N is held by the
+    program's device count and the name's N; rows that are not there, by the signature.)"""
+    shapes = {r["name"]: r["shape"] for r in manifest["inputs"] if isinstance(r["name"], str)}
+    xs, ts = shapes.get("xs"), shapes.get("ts")
+    held = []
+    if isinstance(xs, list) and len(xs) == 5:
+        held += [("accum", xs[0]), ("res", xs[2]), ("res", xs[3])]
+    if isinstance(ts, list) and len(ts) == 3:
+        held += [("accum", ts[0]), ("classes", ts[2])]
+    for key, have in held:
+        if manifest[key] != have:
+            raise RenderError(f"{where}: {key} = {manifest[key]!r} contradicts its inputs "
+                              f"(xs {xs}, ts {ts})")
