@@ -4,6 +4,7 @@ interrupt is exit 130 — and bad input of every kind is one line on stderr, exi
 work and with no file left behind (the fuzz below)."""
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
 
@@ -22,10 +24,36 @@ from twinstep.checking import bounds, tie, trajectory
 def run_cli(argv, capsys) -> tuple[int, str]:
     """(exit status, stderr) of the CLI in this process; argparse's errors exit via SystemExit."""
     try:
-        code = cli.main(argv)
+        with mock.patch.dict(os.environ, child_env()):
+            code = cli.main(argv)
     except SystemExit as e:
         code = e.code
     return code, capsys.readouterr().err
+
+
+def child_env(**more) -> dict:
+    """The environment for the CLI in a test: its compilation cache the run's (`make test`'s
+    JAX_COMPILATION_CACHE_DIR) or one that ``more`` names, else none — never the user's
+    ~/.cache/twinstep, which no test may write."""
+    env = {**os.environ, **more}
+    if not (env.get("JAX_COMPILATION_CACHE_DIR") or env.get("TWINSTEP_COMPILE_CACHE")):
+        env["TWINSTEP_NO_COMPILE_CACHE"] = "1"
+    return env
+
+
+def wait_for(condition, what: str, process: subprocess.Popen, deadline_s: float = 300):
+    """Poll ``condition()`` until it is true, failing after ``deadline_s`` or if ``process``
+    ends first (what it said is in the failure)."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if process.poll() is not None:
+            out, err = process.communicate()
+            pytest.fail(f"the process ended (exit {process.returncode}) before {what}: "
+                        f"{(out + err)[-2000:]}")
+        if time.monotonic() > end:
+            process.kill()
+            pytest.fail(f"no {what} within {deadline_s} s")
+        time.sleep(0.05)
 
 
 # ----------------------------------------------------------------- checks that cannot fire
@@ -82,27 +110,94 @@ def test_a_crash_is_exit_3_in_one_line_not_a_failed_check(monkeypatch, capsys):
     code, err = run_cli(["tie", "resnet50"], capsys)
     assert code == 3 and err.count("\n") == 1
     assert "internal error: RuntimeError: the backend fell over" in err
-    with pytest.raises(RuntimeError):  # --debug shows it as it is
-        cli.main(["--debug", "tie", "resnet50"])
+    with pytest.raises(RuntimeError), mock.patch.dict(os.environ, child_env()):
+        cli.main(["--debug", "tie", "resnet50"])  # --debug shows it as it is
+
+
+# a refusal raised while a step JAX dispatched still runs (a second of matrix products): as the
+# interpreter starts to shut down, the step has finished or still runs
+LATE_REFUSAL = """
+import atexit
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from twinstep import api
+from twinstep.cli.main import entry
+from twinstep.errors import UsageError
+
+dispatched = []
+
+
+def step(x):
+    return jax.lax.fori_loop(0, 300, lambda i, x: jnp.tanh(x @ x) * 2, x)
+
+
+def tie(*args, **kwargs):
+    dispatched.append(jax.jit(step)(jnp.full((384, 384), 0.01, jnp.float32)))
+    raise UsageError("the render's inputs differ from this step's")
+
+
+@atexit.register  # the first exit handler to run (the last registered), before JAX's
+def shutting_down():
+    done = all(a.is_ready() for a in dispatched)
+    print(f"{len(dispatched)} step, {'finished' if done else 'still running'}", flush=True)
+
+
+api.tie = tie
+sys.argv = ["twinstep", "tie", "resnet50"]
+entry()
+"""
+
+
+def test_a_refusal_while_a_step_runs_waits_for_it_and_is_exit_2():
+    """Bad input seen only once a step was dispatched (issue #50: a render's signature, checked
+    at its first call, after the tie had dispatched the single-device steps): the one line, then
+    the process waits for the step, and only then shuts down, exit 2. Shutting down at once
+    left XLA's threads running the step while exit() ran C++'s static destructors (oneDNN's),
+    and the process died on its way out (exit 139)."""
+    done = subprocess.run([sys.executable, "-c", LATE_REFUSAL], env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert done.stderr == "twinstep tie: the render's inputs differ from this step's\n"
+    assert done.stdout == "1 step, finished\n"
 
 
 @pytest.mark.slow
 def test_an_interrupt_is_130_in_one_line_and_leaves_no_report(tmp_path):
-    report = tmp_path / "tie.json"
-    # a shape no other test compiles, and no persistent compilation cache: still at work at 10 s
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    for delay in (3, 10):  # starting JAX; compiling
+    """Ctrl-C while JAX starts and while the tie compiles: exit 130, one line, no report. Each
+    moment is seen, not slept to: the CLI makes its compilation cache's folder (a fresh one,
+    under tmp_path) once JAX is imported, before the command runs; the first compiled program
+    kept there means the tie is compiling (a shape no other test compiles, and nothing to
+    load: the rest of the tie takes tens of seconds more)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    report = out / "tie.json"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAX_COMPILATION_CACHE", "TWINSTEP_NO_COMPILE_CACHE"))}
+    for moment in ("starting", "compiling"):
+        cache = tmp_path / f"cache-{moment}"
         p = subprocess.Popen([sys.executable, "-m", "twinstep.cli", "tie", "resnet50",
                               "--replicas", "2", "--res", "64", "--classes", "7", "--json",
                               str(report)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env)
-        time.sleep(delay)
+                             text=True, env={**env, "TWINSTEP_COMPILE_CACHE": str(cache)})
+        if moment == "starting":
+            wait_for(cache.exists, "its compilation cache's folder", p)
+        else:
+            wait_for(functools.partial(kept_a_program, cache), "a compiled program in its cache",
+                     p)
         assert p.poll() is None, "the tie ended before the interrupt: the test saw nothing"
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
-        assert p.returncode == 130, (delay, p.returncode, err[-2000:])
+        assert p.returncode == 130, (moment, p.returncode, err[-2000:])
         assert err == "twinstep tie: interrupted\n"
-        assert not os.listdir(tmp_path)
+        assert not os.listdir(out)
+
+
+def kept_a_program(cache) -> bool:
+    """Whether JAX's compilation cache ``cache`` holds a compiled program (KEY-cache)."""
+    return cache.exists() and any(n.endswith("-cache") for n in os.listdir(cache))
 
 
 # ---------------------------------------------------------------------------- the fuzz
@@ -207,8 +302,25 @@ def bad_inputs(tmp):
     ]
 
 
+def bad_renders(tmp):
+    """(argv, what the one line must say) for a render whose files are whole but whose manifest
+    was edited afterwards (issue #50: its res, 32, made 64). Each runs in a process of its own,
+    where a crash on the way out shows: this one once printed its line only once the
+    single-device step had been dispatched, and the process then died with it (exit 139)."""
+    from twinstep.rendering import render
+
+    made = render.make(render.RenderConfig("resnet50in_lambdp2", 2, 32, 10, "f64"))
+    paths = render.write(made, str(tmp / "render"))
+    with open(paths[".json"]) as f:
+        manifest = json.load(f)
+    with open(paths[".json"], "w") as f:
+        json.dump({**manifest, "res": 64}, f)
+    return [(["tie", "--render", paths[".jaxexport"], "--steps", "1"],
+             "res = 64 contradicts its inputs (xs [1, 4, 32, 32, 3]")]
+
+
 def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys):
-    cases = bad_inputs(tmp_path)
+    cases, alone = bad_inputs(tmp_path), bad_renders(tmp_path)
     before = sorted(os.listdir(tmp_path))
     for argv, says in cases:
         code, err = run_cli(argv, capsys)
@@ -216,7 +328,13 @@ def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys)
         assert err.count("\n") == 1 and says in err, (argv, err)
         assert "Traceback" not in err
         assert sorted(os.listdir(tmp_path)) == before, argv
-    assert len(cases) >= 40
+    for argv, says in alone:
+        done = subprocess.run([sys.executable, "-m", "twinstep.cli", *argv], env=child_env(),
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 2, (argv, done.returncode, done.stderr[-2000:])
+        assert done.stderr.count("\n") == 1 and says in done.stderr, (argv, done.stderr)
+        assert sorted(os.listdir(tmp_path)) == before, argv
+    assert len(cases) + len(alone) >= 40
 
 
 def test_a_refused_publish_leaves_no_lock_and_no_temporary_file(tmp_path, monkeypatch):

@@ -111,19 +111,49 @@ def main(argv=None) -> int:
         return _module(name).run(args, parser.commands[name])
     except UsageError as e:
         print(f"twinstep {args.command}: {e}", file=sys.stderr)
-        return 2
+        return settled(2)
     except (ClusterError, BackendError) as e:
         print(f"twinstep {args.command}: {e}", file=sys.stderr)
-        return 3
+        return settled(3)
     except KeyboardInterrupt:
         print(f"twinstep {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the verdict is the exit status, the cause one line
         if args.debug or os.environ.get("TWINSTEP_DEBUG"):
+            settled(3)
             raise
         print(f"twinstep {args.command}: internal error: {type(e).__name__}: {e} "
               f"(TWINSTEP_DEBUG=1 shows the traceback)", file=sys.stderr)
-        return 3
+        return settled(3)
+
+
+def settled(status: int) -> int:
+    """``status``, once every computation JAX has dispatched has finished. JAX runs programs
+    asynchronously: an error raised while a step runs (a render's signature, checked at its
+    first call, after the tie had dispatched the single-device steps) would end the process
+    while XLA's threads still run that step, and the C++ static destructors that exit() runs
+    (oneDNN's, as seen) would free what those threads use: a segfault, exit 139, after the one
+    line. Called while the error is handled, so that its traceback still holds the step's
+    pending outputs among JAX's live arrays. It starts no backend (one that has not started
+    has run nothing; starting it could abort, as on a bad XLA_FLAGS), and waits for nothing
+    with several processes: a step waiting for a peer that is gone would never finish
+    (`entry` ends such a process with os._exit, which runs no destructors)."""
+    if "jax" not in sys.modules or _in_a_runtime():
+        return status
+    import jax
+
+    try:  # JAX's own test; it has no public one
+        from jax._src.xla_bridge import backends_are_initialized
+    except ImportError:
+        return status
+    if not backends_are_initialized():
+        return status
+    for array in jax.live_arrays():
+        try:
+            array.block_until_ready()
+        except Exception:  # noqa: BLE001 - a failed computation has finished too
+            pass
+    return status
 
 
 def _on_interrupt(signum, frame) -> None:
