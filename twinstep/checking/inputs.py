@@ -17,6 +17,11 @@ from twinstep.ops.precision import Precision, get_precision
 
 SHIFT = 1.0  # replica r's images are offset by r: Chan's correction term is then O(1)
 MIXUP_LAMBDA = (0.3, 1.0)  # the mixing weight's range: every target row is soft
+# near-init's betas are this N(0, 1), not layers.near_init_bn's NEAR_INIT_SCALE N(0, 1): where a
+# BN's output reaches the next BN through per-channel positively homogeneous maps only (ReLU,
+# depthwise convs), per channel gamma g_gamma = -beta g_beta: gamma's gradient is a cancellation
+# to |beta| / gamma of its terms, and f32 resolves it that much worse (docs/tie.md#f32)
+NEAR_INIT_BETA = 0.1
 
 
 def batch(rng: np.random.Generator, lead: tuple, res: int, classes: int, replicas: int,
@@ -43,7 +48,8 @@ def tie_precision(name: str) -> Precision:
 
 def setup(cfg, net):
     """(params, buffers, x [R N, S, S, 3], t [R N, K]) of the tie ``cfg`` (a
-    `twinstep.checking.tie.TieConfig`): its state (random-bn or near-init), its batch."""
+    `twinstep.checking.tie.TieConfig`): its state (random-bn, or near-init with its betas
+    NEAR_INIT_BETA N(0, 1)), its batch."""
     prec = tie_precision(cfg.precision)
     key = jax.random.key(cfg.seed)
     shapes = net.param_shapes(cfg.classes)
@@ -51,6 +57,8 @@ def setup(cfg, net):
     buffers = layers.init_buffers(shapes, prec.dtype)
     if cfg.state == "near-init":
         params = layers.near_init_bn(jax.random.fold_in(key, 1), params, net.branch_end_bns())
+        widen = NEAR_INIT_BETA / layers.NEAR_INIT_SCALE  # the same draws, NEAR_INIT_BETA N(0, 1)
+        params |= {f"{bn}.bias": params[f"{bn}.bias"] * widen for bn in layers.bn_names(shapes)}
     else:
         params, buffers = layers.randomize_bn(jax.random.fold_in(key, 1), params, buffers)
     rng = np.random.default_rng(cfg.seed)
