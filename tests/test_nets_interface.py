@@ -96,7 +96,8 @@ def test_branch_ends_are_the_last_bn_of_every_residual_branch(net):
 
 
 def test_near_init_is_timms_start_nudged():
-    """near-init (the f32 tie's state): gammas 1 + 0.01 N, betas 0.01 N, branch ends 1e-3 N."""
+    """near-init: gammas 1 + 0.01 N, betas 0.01 N, branch ends 1e-3 N (the f32 tie widens its
+    betas to 0.1 N: inputs.NEAR_INIT_BETA, docs/tie.md)."""
     import jax
     import numpy as np
 
