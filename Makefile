@@ -89,15 +89,20 @@ WORKERS ?= 2
 # More pytest arguments, e.g. `make test ARGS="-x -k tie"` or ARGS=--durations=0.
 ARGS ?=
 
-# The inner loop: no whole-network compile, no oracle extra needed.
+# The tiers' marker expressions (pytest -m). tests/tiers.py reads these two lines to generate
+# the README's table of what each tier runs.
+FAST_MARKERS := not slow and not oracle and not iree and not dali and not all
+TEST_MARKERS := not all
+
+# The inner loop: no whole-network compile, no extra's library needed.
 test-fast: $(VENV)/.installed-dev
 	$(BIN)/ruff check twinstep tests bench
-	$(PYTEST) -q -n $(WORKERS) -m "not slow and not oracle and not iree and not all" $(ARGS)
+	$(PYTEST) -q -n $(WORKERS) -m "$(FAST_MARKERS)" $(ARGS)
 
 # What CI runs: every claim of the suite once, in its smallest configuration.
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check twinstep tests bench
-	$(PYTEST) -q -n $(WORKERS) -m "not all" --dist loadgroup --durations=20 $(ARGS)
+	$(PYTEST) -q -n $(WORKERS) -m "$(TEST_MARKERS)" --dist loadgroup --durations=20 $(ARGS)
 
 # The pre-release check: the complete matrix and the sweeps at full budget.
 test-all: $(VENV)/.installed-test

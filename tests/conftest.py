@@ -2,11 +2,11 @@
 programs (both before JAX's first operation), a deterministic hypothesis profile so CI draws the
 same shapes every run, and the tiers.
 
-Tiers (markers, pyproject.toml): ``slow`` compiles a whole network, ``oracle`` runs torch / timm,
-``iree`` runs IREE, ``all`` belongs to the exhaustive matrix. `make test-fast` runs ``not slow and
-not oracle and not iree and not all``, `make test` runs ``not all``, `make test-all` runs
+Tiers (markers, pyproject.toml): ``slow`` compiles a whole network, ``oracle``, ``iree`` and
+``dali`` run an extra's library, ``all`` belongs to the exhaustive matrix. The Makefile's
+FAST_MARKERS and TEST_MARKERS select `make test-fast` and `make test`; `make test-all` runs
 everything, with TWINSTEP_HYPOTHESIS=all for the whole-network sweeps' random draws
-(`SWEEP_PHASES`).
+(`SWEEP_PHASES`). What each tier runs: the README's table (tests/tiers.py).
 """
 
 import os
@@ -46,14 +46,33 @@ FAST_COMPILE_NETS = {"mnv4"}
 _LIBC = ctypes.CDLL("libc.so.6")
 
 
+def _importable(*modules: str):
+    def present() -> bool:
+        try:  # a dotted name imports its parent package, which may be missing too
+            return all(importlib.util.find_spec(m) is not None for m in modules)
+        except ModuleNotFoundError:
+            return False
+    return present
+
+
+# marker -> whether its extra is installed, and the line that refuses a run without it
+EXTRAS = (
+    ("oracle", oracle_libs.available, oracle_libs.MISSING),
+    ("iree", _importable("iree.compiler", "iree.runtime"),
+     "the iree tests need IREE: install the [iree] extra, or run `make test-fast`, which leaves "
+     "them out"),
+    ("dali", _importable("nvidia.dali"),
+     "the dali tests need NVIDIA DALI: install the [dali] extra, or run `make test-fast`, which "
+     "leaves them out"),
+)
+
+
 @pytest.hookimpl(trylast=True)  # after -m has deselected and xdist has named the groups
 def pytest_collection_modifyitems(config, items):
-    if not oracle_libs.available() and any(i.get_closest_marker("oracle") for i in items):
-        raise pytest.UsageError(oracle_libs.MISSING)
-    if (importlib.util.find_spec("iree") is None
-            and any(i.get_closest_marker("iree") for i in items)):
-        raise pytest.UsageError("the iree tests need IREE: install the [iree] extra, or run "
-                                "`make test-fast`, which leaves them out")
+    for marker, present, missing in EXTRAS:  # a selected test of an extra never skips
+        if (not config.option.collectonly and not present()
+                and any(i.get_closest_marker(marker) for i in items)):
+            raise pytest.UsageError(missing)
     # a group's heavy tests share one worker (and its memory); xdist marks them "...@group"
     grouping = getattr(config.option, "loadgroup", False)  # set on xdist's workers
     if grouping and any(i.get_closest_marker("xdist_group") and "@" not in i.nodeid
@@ -84,14 +103,17 @@ def _release_compiled_programs():
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The tie sweep's count (tests/test_sweep.py records it on each group's report)."""
+    """The tie sweep's count (tests/test_sweep.py records it on each group's report, passed or
+    failed: an inconclusive tie fails its group)."""
     totals: dict = {}
-    for report in terminalreporter.stats.get("passed", []):
+    for report in [*terminalreporter.stats.get("passed", []),
+                   *terminalreporter.stats.get("failed", [])]:
         for key, value in getattr(report, "user_properties", []):
             if key.startswith("sweep_"):
                 totals[key[len("sweep_"):]] = totals.get(key[len("sweep_"):], 0) + value
     if totals:
         terminalreporter.write_line(
-            f"tie sweep: {totals['ties']} random f64 ties tied ({totals['inconclusive']} "
-            f"inconclusive), {totals['controls']} random controls broke theirs, "
+            f"tie sweep: {totals['ties'] - totals['inconclusive']} of {totals['ties']} random "
+            f"f64 ties tied ({totals['inconclusive']} inconclusive, each failing its group), "
+            f"{totals['controls']} random controls broke theirs, "
             f"{totals['seconds']:.0f} s of worker time")

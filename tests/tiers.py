@@ -1,0 +1,152 @@
+"""What each tier of the suite runs, read from the markers: the README's table of tiers (one row
+per test file) and docs/tests.md (one row per test), both generated here and held to the code by
+tests/test_tiers.py.
+
+    python tests/tiers.py           # print both
+    python tests/tiers.py --write   # write them into README.md and docs/tests.md
+
+A tier is a marker expression (the Makefile's FAST_MARKERS and TEST_MARKERS; test-all runs
+everything), evaluated here on each collected test's markers as pytest's ``-m`` does.
+"""
+
+import ast
+import contextlib
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README, DOC = os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "tests.md")
+BEGIN, END = "<!-- tiers: begin (python tests/tiers.py --write) -->", "<!-- tiers: end -->"
+TIERS = ("test-fast", "test", "test-all")
+
+
+def marker_expressions() -> dict:
+    """tier -> its ``-m`` expression, from the Makefile (None: every test)."""
+    text = open(os.path.join(ROOT, "Makefile")).read()
+    found = {name: re.search(rf"^{name} := (.+)$", text, re.M) for name in
+             ("FAST_MARKERS", "TEST_MARKERS")}
+    missing = [name for name, m in found.items() if m is None]
+    if missing:
+        raise SystemExit(f"the Makefile defines no {' or '.join(missing)}")
+    return {"test-fast": found["FAST_MARKERS"][1].strip(),
+            "test": found["TEST_MARKERS"][1].strip(), "test-all": None}
+
+
+def selected(expression, markers: set) -> bool:
+    """pytest's ``-m`` on one test: the expression's names are markers, true where present."""
+    if expression is None:
+        return True
+    names = set(re.findall(r"[A-Za-z_]\w*", expression)) - {"and", "or", "not"}
+    return bool(eval(expression, {"__builtins__": {}}, {n: n in markers for n in names}))
+
+
+def collect() -> list:
+    """Every test of the suite as (file, function, parameters, markers), by file and line,
+    collected in-process (``--collect-only``: nothing runs, so no extra is needed)."""
+    import pytest
+
+    class Recorder:
+        items: list = []
+
+        def pytest_collection_finish(self, session):
+            for item in session.items:
+                file = os.path.basename(item.nodeid.split("::")[0])
+                function = getattr(item, "originalname", item.name)
+                params = item.name[len(function):].strip("[]")
+                marks = {m.name for m in item.iter_markers()}
+                self.items.append((file, item.location[1], function, params, marks))
+
+    recorder = Recorder()
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider",
+                            os.path.join(ROOT, "tests")], plugins=[recorder])
+    if code != 0:
+        raise SystemExit(f"collecting the tests failed (pytest exit {code})")
+    return [(file, function, params, marks) for file, _, function, params, marks
+            in sorted(recorder.items, key=lambda i: i[:2])]  # stable: parameters keep order
+
+
+def subject(file: str) -> str:
+    """A test file's subject: its docstring's first clause (to the first colon or period)."""
+    doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, "tests", file)).read())) or ""
+    first = re.split(r"[:.](?:\s|$)| — ", " ".join(doc.split()), maxsplit=1)[0].strip()
+    while len(first) > 80 and (", " in first or first.endswith(")")):  # shortened whole
+        if first.endswith(")") and " (" in first:
+            first = first.rsplit(" (", 1)[0]
+        else:
+            first = first.rsplit(", ", 1)[0]
+    return first
+
+
+def counts(items: list) -> dict:
+    """(file, function) -> {tier: [params selected]}, files and functions in collection order."""
+    tiers = marker_expressions()
+    table: dict = {}
+    for file, function, params, marks in items:
+        row = table.setdefault((file, function), {t: [] for t in TIERS})
+        for tier, expression in tiers.items():
+            if selected(expression, marks):
+                row[tier].append(params)
+    return table
+
+
+def readme_table(table: dict) -> str:
+    files: dict = {}
+    for (file, _), row in table.items():
+        total = files.setdefault(file, dict.fromkeys(TIERS, 0))
+        for tier in TIERS:
+            total[tier] += len(row[tier])
+    lines = ["| tests of | `make test-fast` | `make test` | `make test-all` |",
+             "|---|---:|---:|---:|"]
+    for file, total in files.items():
+        lines.append(f"| [`{file}`](tests/{file}): {subject(file)} | "
+                     + " | ".join(str(total[t]) for t in TIERS) + " |")
+    lines.append("| **every file** | " + " | ".join(
+        f"**{sum(t[tier] for t in files.values())}**" for tier in TIERS) + " |")
+    return "\n".join(lines)
+
+
+def doc_page(table: dict) -> str:
+    lines = ["# The tests, tier by tier", "",
+             "Generated by `python tests/tiers.py --write` from the markers (the Makefile's "
+             "`FAST_MARKERS` and `TEST_MARKERS`) and held to them by `tests/test_tiers.py`: "
+             "how many cases of each test each tier runs, and, where `make test` runs only some "
+             "of a test's cases, which. Each test's docstring states its claim and its control.",
+             ""]
+    file = None
+    for (f, function), row in table.items():
+        if f != file:
+            file = f
+            lines += ["", f"## [{f}](../tests/{f})", "", subject(f), "",
+                      "| test | fast | test | all | `make test` runs |", "|---|---:|---:|---:|---|"]
+        some = row["test"] if 0 < len(row["test"]) < len(row["test-all"]) else None
+        which = ", ".join(f"`{p}`" for p in some) if some else ""
+        lines.append(f"| `{function}` | " + " | ".join(str(len(row[t])) for t in TIERS)
+                     + f" | {which} |")
+    return "\n".join(lines) + "\n"
+
+
+def with_table(readme: str, table: str) -> str:
+    if BEGIN not in readme or END not in readme:
+        raise SystemExit(f"README.md has no {BEGIN} ... {END}")
+    head, rest = readme.split(BEGIN, 1)
+    return head + BEGIN + "\n" + table + "\n" + END + rest.split(END, 1)[1]
+
+
+def main(argv: list) -> int:
+    table = counts(collect())
+    readme, doc = readme_table(table), doc_page(table)
+    if "--write" in argv:
+        text = open(README).read()
+        with open(README, "w") as f:
+            f.write(with_table(text, readme))
+        with open(DOC, "w") as f:
+            f.write(doc)
+    else:
+        print(readme, "\n", doc, sep="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
