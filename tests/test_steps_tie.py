@@ -6,11 +6,11 @@ bug breaks it.
 
 `make test` ties one MobileNetV4 recipe with every step feature that touches the replicas
 (EMA, k = 2 accumulation, clip, wx, drop-path, classifier dropout, BCE; AdamW) over two steps and
-runs the control on it. LAMB is left to `make test-all`: its trust ratio reads only replicated
-tensors (the all-reduced gradient, the parameters), and it nearly triples the compile (MNv4's
-single-device step: 18 s with AdamW, 75 s with LAMB, at -O0). The recipes of the full matrix,
-at R = 2 and 4 over three steps, are marked ``all``. How each replica takes its rows of the
-global masks, both kinds, is checked below without a network.
+runs the replicated-masks control on it. LAMB is left to `make test-all`: its trust ratio reads
+only replicated tensors (the all-reduced gradient, the parameters), and it nearly triples the
+compile (MNv4's single-device step: 18 s with AdamW, 75 s with LAMB, at -O0). The recipes of
+the full matrix, at R = 2 and 4 over three steps, are marked ``all``. How each replica takes
+its rows of the global masks, both kinds, is checked below without a network.
 """
 
 import os
@@ -53,11 +53,8 @@ def fields(report: trajectory.StepsReport) -> dict:
                                   pytest.param(EVERY_FEATURE, marks=pytest.mark.all)])
 def test_step_features_tie_over_two_steps(name, tmp_path):
     """Two steps: the first at lr(0) = 0 moves the optimizer state, the running statistics and
-    the EMA; the second moves the parameters from there. (Its controls: replicated masks break
-    this tie in test-all, `test_replicated_masks_break_the_step_features_tie`; in make test the
-    masks' control runs at the sharding level, `test_each_replica_takes_its_rows_of_the_global
-    _masks`, and the whole-step tie's own power is shown by the wrong-divisor render that
-    `twinstep tie --artifact` must fail, tests/test_render.py.)"""
+    the EMA; the second moves the parameters from there. (Its control, in make test too:
+    replicated masks break this tie, `test_replicated_masks_break_the_step_features_tie`.)"""
     report = run(name, 2, steps=2)
     assert report.ok, report.verdict()
     assert len(report.steps) == 2
@@ -72,10 +69,15 @@ def test_step_features_tie_over_two_steps(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.all
 def test_replicated_masks_break_the_step_features_tie():
+    """The whole-step tie's control, one step of the recipe above (its single-device steps come
+    from the run's compilation cache): every replica taking the first replica's drop-path and
+    dropout masks fails the tie after one step, where the masks reach at lr(0) = 0: the
+    optimizer's moments (the gradients) and the running statistics (the forward)."""
     broken = run(STEP_FEATURES, 2, steps=1, control="replicated-masks")
     assert not broken.ok and "NOT tied" in broken.verdict()
+    failing = {row["name"].split("/")[0] for row in broken.steps[-1]["rows"] if not row["ok"]}
+    assert {"opt_state", "buffers"} <= failing, failing  # seen: buffers, ema, opt_state
 
 
 @pytest.mark.parametrize("control", ["none", "replicated-masks"])
