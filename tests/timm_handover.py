@@ -6,32 +6,45 @@ import numpy as np
 from oracle_libs import torch
 
 
-class HandedDropPath(torch.nn.Module):
-    """timm's DropPath of rate ``drop`` applying ``mask`` — twinstep's draw of the rows kept,
-    each 0 or 1 / keep (`twinstep.step.draw_masks`) — instead of a draw of torch's own."""
+def _handed_modules():
+    """(`HandedDropPath`, `HandedDropout`): torch modules, so defined at their first use — this
+    file imports without torch (`make test-fast` collects tests/test_loop.py, then deselects it)."""
+    class HandedDropPath(torch.nn.Module):
+        """timm's DropPath of rate ``drop`` applying ``mask`` — twinstep's draw of the rows
+        kept, each 0 or 1 / keep (`twinstep.step.draw_masks`) — instead of a draw of torch's
+        own."""
 
-    def __init__(self, drop: float):
-        super().__init__()
-        self.keep, self.mask = 1.0 - drop, None
+        def __init__(self, drop: float):
+            super().__init__()
+            self.keep, self.mask = 1.0 - drop, None
 
-    def forward(self, x):
-        assert set(np.unique(self.mask)) <= {0.0, 1.0 / self.keep}  # timm's rate is twinstep's
-        return x * torch.tensor(self.mask).view(-1, 1, 1, 1)
+        def forward(self, x):
+            assert set(np.unique(self.mask)) <= {0.0, 1.0 / self.keep}  # timm's rate, twinstep's
+            return x * torch.tensor(self.mask).view(-1, 1, 1, 1)
+
+    class HandedDropout(torch.nn.Module):
+        """timm's classifier dropout (`F.dropout` in MobileNetV3's forward_head, turned off by
+        its ``drop_rate`` = 0) applying ``mask`` [rows, features] — twinstep's draw — before the
+        classifier, through a forward pre-hook."""
+
+        def __init__(self, drop: float, classifier):
+            super().__init__()
+            self.keep, self.mask = 1.0 - drop, None
+            classifier.register_forward_pre_hook(lambda _, args: (self(args[0]),))
+
+        def forward(self, x):
+            assert set(np.unique(self.mask)) <= {0.0, 1.0 / self.keep}
+            return x * torch.tensor(self.mask)
+
+    return HandedDropPath, HandedDropout
 
 
-class HandedDropout(torch.nn.Module):
-    """timm's classifier dropout (`F.dropout` in MobileNetV3's forward_head, turned off by its
-    ``drop_rate`` = 0) applying ``mask`` [rows, features] — twinstep's draw — before the
-    classifier, through a forward pre-hook."""
-
-    def __init__(self, drop: float, classifier):
-        super().__init__()
-        self.keep, self.mask = 1.0 - drop, None
-        classifier.register_forward_pre_hook(lambda _, args: (self(args[0]),))
-
-    def forward(self, x):
-        assert set(np.unique(self.mask)) <= {0.0, 1.0 / self.keep}
-        return x * torch.tensor(self.mask)
+def __getattr__(name: str):
+    """``HandedDropPath`` and ``HandedDropout`` (`_handed_modules`), made once, at first access."""
+    if name in ("HandedDropPath", "HandedDropout"):
+        globals()["HandedDropPath"], globals()["HandedDropout"] = _handed_modules()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def hand_masks(model, recipe, rows: int, step: int, micro: int) -> None:
