@@ -11,9 +11,12 @@ mathematics rounded otherwise). Where that loop is chaotic (FROM_OURS: MobileNet
 SGD) each of timm's updates starts from twinstep's state before it, so every step is held to
 one step's noise. Its controls change one thing on timm's side — the scheduler stepped per
 epoch, the warmup from 0, BN momentum 0.01, the EMA's warmup, weight decay on BN and bias,
-stochastic depth's and dropout's masks drawn by torch — and each must fail the comparison: make
-test runs AdamW + EMA with one control, stopped at the first step that fails; test-all every
-recipe with every control, whole.
+Adam's betas, stochastic depth's and dropout's masks drawn by torch — or read twinstep's side
+a step late, and each must fail the comparison for its reason: at the first failing step, in
+the groups it changes and those that follow from them (`REASONS`). make test runs AdamW + EMA
+with one control for each of the lr, the parameters, the running statistics, the moments and
+the EMA, and the late read, each stopped at its first failing step; test-all every recipe with
+every control, whole.
 """
 
 import copy
@@ -25,9 +28,10 @@ import sys
 
 import numpy as np
 import pytest
+import timm_handover
 import timm_recipe
 from oracle_libs import timm, torch
-from timm_handover import MOMENTS, HandedDropout, HandedDropPath, hand_masks, start_from
+from timm_handover import MOMENTS, hand_masks, start_from
 
 from twinstep.checking import bounds
 
@@ -53,14 +57,33 @@ SETTINGS = {"adamw": ("resnet50in_emaaccdp2x2wx", 64, None),  # AdamW, EMA, k = 
 # where timm's own loop is chaotic (its reordered twin drifts tenfold a step) each of timm's
 # updates starts from twinstep's state before it: every step is timm's step, from the same state
 FROM_OURS = ("mnv4-conv-m", "mom", "sgd")
-# make test's, with QUICK_CONTROL; the rest, and every control: test-all. With LAMB too, its
-# set-up took 279-295 s of one worker in CI's contention (127 s alone) and make test 22.7 and
-# 23.7 min in two runs (without it 19.1-19.6)
+# make test's, with MAKE_TEST_CONTROLS; the rest, and every control: test-all. With LAMB too,
+# its set-up took 279-295 s of one worker in CI's contention (127 s alone) and make test 22.7
+# and 23.7 min in two runs (without it 19.1-19.6)
 IN_MAKE_TEST = ("adamw",)
-# timm_recipe's five, and stochastic depth's and dropout's masks drawn by torch ("own-masks")
+# timm_recipe's six, stochastic depth's and dropout's masks drawn by torch ("own-masks"), and
+# one on twinstep's side as the comparison reads it: each step's state compared is the next
+# step's ("ours-next-step": a checkpoint read one step late moves every group and the lr)
 CONTROLS = ("per-epoch", "warmup-from-0", "bn-momentum", "ema-warmup", "decay-everything",
-            "own-masks")
-QUICK_CONTROL = "bn-momentum"  # one a tensor's bound must catch (at step 1)
+            "adam-betas", "own-masks", "ours-next-step")
+# control -> (what it changes, what follows from that within the same step): at the first step
+# where its comparison fails, the failing groups ("lr" for the lr) hold the first and lie within
+# both. The EMA follows the weights (it copies them at step 1) and its running statistics the
+# model's; changed betas leave the first, bias-corrected, update alone
+REASONS = {"per-epoch": ({"lr"}, {"params", "ema"}),
+           "warmup-from-0": ({"lr"}, {"params", "ema"}),
+           "bn-momentum": ({"buffers"}, {"ema_buffers"}),
+           "ema-warmup": ({"ema"}, {"ema_buffers"}),
+           "decay-everything": ({"params"}, {"ema"}),
+           "adam-betas": ({"mu", "nu"}, set()),
+           "own-masks": ({"mu"}, {"lr", "params", "buffers", "nu", "ema", "ema_buffers"}),
+           "ours-next-step": ({"lr", "params", "buffers"}, {"mu", "nu", "trace", "ema",
+                                                            "ema_buffers"})}
+# make test's: one control failing each group for its reason — the lr, the parameters, the
+# running statistics, the moments, the EMA — and twinstep's side read a step late (per-epoch's
+# reason is warmup-from-0's; no masks in AdamW + EMA)
+MAKE_TEST_CONTROLS = ("warmup-from-0", "decay-everything", "bn-momentum", "adam-betas",
+                      "ema-warmup", "ours-next-step")
 # test-all runs each control's loop whole (its rows and worst ratio are reported); make test's
 # stops at the first step where the comparison fails, which is its verdict
 FULL = os.environ.get("TWINSTEP_HYPOTHESIS") == "all"
@@ -79,9 +102,11 @@ def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none", 
     if control != "own-masks":  # twinstep's masks, handed over (`hand_masks`)
         for name, m in list(model.named_modules()):
             if type(m).__name__ == "DropPath":
-                model.get_submodule(name.rsplit(".", 1)[0]).drop_path = HandedDropPath(m.drop_prob)
+                model.get_submodule(name.rsplit(".", 1)[0]).drop_path = (
+                    timm_handover.HandedDropPath(m.drop_prob))
         if getattr(model, "drop_rate", 0.0) > 0:
-            model.twinstep_dropout = HandedDropout(model.drop_rate, model.classifier)
+            model.twinstep_dropout = timm_handover.HandedDropout(model.drop_rate,
+                                                                 model.classifier)
             model.drop_rate = 0.0
     opt = timm_recipe.optimizer(model, recipe, control)
     sched, per = timm_recipe.scheduler(opt, recipe, control)
@@ -104,7 +129,8 @@ def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none", 
             if moved == "reversed":
                 x, y = x.flip(0), y.flip(0)
                 for m in model.modules():
-                    if isinstance(m, HandedDropPath | HandedDropout) and m.mask is not None:
+                    handed = (timm_handover.HandedDropPath, timm_handover.HandedDropout)
+                    if isinstance(m, handed) and m.mask is not None:
                         m.mask = m.mask[::-1].copy()  # (None: a branch without a skip)
             elif moved == "nudged":
                 u = np.random.default_rng([updates, len(x)]).standard_normal(x.shape)
@@ -219,26 +245,39 @@ class LoopOracle:
 
     def _compare(self, control: str) -> dict:
         starts = self._state if self.from_ours else None
-        loop = _timm_loop(self.model, self.recipe, self.res, control=control, starts=starts)
+        late = control == "ours-next-step"  # twinstep's side, as read: timm's loop is its own
+        loop = _timm_loop(self.model, self.recipe, self.res, control="none" if late else control,
+                          starts=starts)
         twins = ([_timm_loop(self.model, self.recipe, self.res, moved=m, starts=starts)
                   for m in ("reversed", "nudged")] if control == "none" else [])
         found = {"rows": [], "lr": []}
         for step, ref in enumerate(loop, 1):
             if twins:
                 self.sensitivity[step] = _sensitivity(ref, [next(t) for t in twins])
-            ours = self._state(step)
-            found["lr"].append((self.lrs[step - 1], ref["lr"]))
+            ours = self._state(step + late)
+            found["lr"].append((self.lrs[step - 1 + late], ref["lr"]))
             found["rows"] += [{**r, "step": step}
                               for r in _rows(ours, ref, self.sensitivity[step])]
-            if control != "none" and not FULL and _seen(found):
+            if step + late == STEPS or control != "none" and not FULL and _seen(found):
                 break
         return found
 
 
+def _lr_fails(ours: float, theirs: float) -> bool:
+    return ours != pytest.approx(theirs, rel=1e-14)
+
+
 def _seen(found: dict) -> bool:
     """Whether a comparison fails: the lr differs at some step, or a tensor exceeds its bound."""
-    return (any(a != pytest.approx(b, rel=1e-14) for a, b in found["lr"])
-            or not all(r["ok"] for r in found["rows"]))
+    return (any(_lr_fails(*lr) for lr in found["lr"]) or not all(r["ok"] for r in found["rows"]))
+
+
+def _first_failure(found: dict) -> tuple[int, set]:
+    """(the first step where the comparison fails, its failing groups: "lr" for the lr)."""
+    failing = [(step, "lr") for step, lr in enumerate(found["lr"], 1) if _lr_fails(*lr)]
+    failing += [(r["step"], r["group"]) for r in found["rows"] if not r["ok"]]
+    first = min(step for step, _ in failing)
+    return first, {g for step, g in failing if step == first}
 
 
 def _err(group: str, name: str, ours: dict, ref: dict) -> float:
@@ -287,11 +326,12 @@ def test_the_loop_is_timms_every_tensor_every_step(oracle):
                                                             else ())}
 
 
-@pytest.mark.parametrize("control", [  # make test runs one, test-all every one
-    pytest.param(c, marks=() if c == QUICK_CONTROL else pytest.mark.all) for c in CONTROLS])
+@pytest.mark.parametrize("control", [
+    pytest.param(c, marks=() if c in MAKE_TEST_CONTROLS else pytest.mark.all) for c in CONTROLS])
 def test_the_loop_oracle_sees_each_control(oracle, control):
-    """Each control — on timm's side, against the same twinstep run — fails the comparison: the
-    lr differs, or some tensor exceeds its bound."""
+    """Each control — on timm's side, against the same twinstep run, or twinstep's side read a
+    step late — fails the comparison, and for its reason: at the first failing step the groups
+    that fail are the control's own and what follows from them (`REASONS`)."""
     kind, recipe = oracle[0], oracle[1].recipe
     if control == "ema-warmup" and not recipe.ema:  # a control that cannot fire is refused
         pytest.skip("no EMA in this recipe")
@@ -301,8 +341,18 @@ def test_the_loop_oracle_sees_each_control(oracle, control):
         pytest.skip("this recipe decays every tensor already (no wx)")
     if control == "own-masks" and not (recipe.drop or recipe.dropout):
         pytest.skip("no stochastic depth or dropout in this recipe")
+    if control == "adam-betas" and recipe.optimizer not in ("adamw", "lamb"):
+        pytest.skip("no betas in this recipe's optimizer")
     found = oracle[1].control(control)
-    failing = [r for r in found["rows"] if not r["ok"]]
-    print(kind, control, f"{len(found['lr'])} steps,", len(failing), "rows fail, worst "
-          "err/bound", max((r["err"] / r["bound"] for r in failing), default=None))
     assert _seen(found)
+    failing = [r for r in found["rows"] if not r["ok"]]
+    step, groups = _first_failure(found)
+    worst = {}
+    for r in failing:
+        if r["step"] == step:
+            worst[r["group"]] = max(worst.get(r["group"], 0.0), r["err"] / r["bound"])
+    print(kind, control, f"{len(found['lr'])} steps,", len(failing), "rows fail; at step",
+          step, {g: f"{w:.1e}" for g, w in sorted(worst.items())}, "err/bound",
+          *(("lr", found["lr"][step - 1]) if "lr" in groups else ()))
+    own, follows = REASONS[control]
+    assert own <= groups <= own | follows, (step, groups)

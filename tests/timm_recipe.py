@@ -5,10 +5,14 @@ components. Shared by the loop oracle (tests/test_loop.py) and the run against t
 
 Each ``control`` changes one thing on timm's side, for a check that must then fail:
 "per-epoch" (the scheduler stepped per epoch of 5 updates), "warmup-from-0", "bn-momentum"
-(0.01), "ema-warmup" (flipped), "decay-everything" (weight decay on BN and bias too).
+(0.01), "ema-warmup" (flipped), "decay-everything" (weight decay on BN and bias too),
+"adam-betas" (AdamW's and LAMB's β (0.8, 0.99) for (0.9, 0.999)).
 """
 
 from oracle_libs import torch
+
+# "adam-betas": both moments decay otherwise; the first update, bias-corrected, is the same
+ADAM_BETAS_CONTROL = (0.8, 0.99)
 
 
 def optimizer(model, recipe, control: str = "none"):
@@ -19,9 +23,11 @@ def optimizer(model, recipe, control: str = "none"):
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):
                 m.momentum = 0.01
+    betas = {"betas": ADAM_BETAS_CONTROL} if control == "adam-betas" else {}
     return create_optimizer_v2(model, opt=recipe.optimizer, lr=recipe.lr,
                                weight_decay=recipe.effective_weight_decay,
-                               filter_bias_and_bn=recipe.wx and control != "decay-everything")
+                               filter_bias_and_bn=recipe.wx and control != "decay-everything",
+                               **betas)
 
 
 def scheduler(opt, recipe, control: str = "none"):
