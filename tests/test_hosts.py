@@ -107,13 +107,11 @@ COMMON = {"steps": STEPS, "eval_every": STEPS, "ckpt_every": 1, "keep": STEPS,
           "precision": "f64", "fast_compile": "mnv4" in FAST_COMPILE_NETS}
 
 
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory):
-    """A run of 2 processes x 2 replicas, killed with SIGKILL after its step-1 checkpoint, and
-    what the launcher said: (RUN_DIR, seconds from the kill to the launcher's end, status,
-    stderr)."""
-    run = tmp_path_factory.mktemp("hosts") / "two"
-    proc = subprocess.Popen(_launch(*TRAIN, "--out", str(run)), stdout=subprocess.DEVNULL,
+def _killed_after_step_1(run, *argv) -> tuple[float, int, str]:
+    """A run of 2 processes x 2 replicas (TRAIN, then ``argv``) into ``run``, its process 1
+    killed with SIGKILL once the step-1 checkpoint is whole: (seconds from the kill to the
+    launcher's end, its status, its stderr)."""
+    proc = subprocess.Popen(_launch(*TRAIN, *argv, "--out", str(run)), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + WAIT_S
     while not (run / "checkpoints" / "1").exists():
@@ -122,7 +120,16 @@ def killed(tmp_path_factory):
     os.kill(_children(proc.pid)[1], signal.SIGKILL)
     t0 = time.monotonic()
     _, err = proc.communicate(timeout=60)
-    return run, time.monotonic() - t0, proc.returncode, err
+    return time.monotonic() - t0, proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A run of 2 processes x 2 replicas, killed with SIGKILL after its step-1 checkpoint, and
+    what the launcher said: (RUN_DIR, seconds from the kill to the launcher's end, status,
+    stderr)."""
+    run = tmp_path_factory.mktemp("hosts") / "two"
+    return run, *_killed_after_step_1(run)
 
 
 def _copy(killed, tmp_path) -> str:
@@ -131,12 +138,18 @@ def _copy(killed, tmp_path) -> str:
     return str(tmp_path / "resumed")
 
 
-def _resumed(killed, tmp_path, recipe: str, replicas: int) -> dict:
-    """The killed run's checkpoint resumed in this one process as ``replicas`` x its N."""
+def _resumed(killed, tmp_path, capsys, recipe: str, replicas: int) -> dict:
+    """The killed run's checkpoint resumed in this one process as ``replicas`` x its N — shown
+    to restore step 1 (the loop's line) and to run step 2 alone (its event file)."""
+    from test_train import attempts
+
     from twinstep import api
 
     moved = _copy(killed, tmp_path)
+    capsys.readouterr()
     api.train(recipe, moved, replicas=replicas, resume=True, **COMMON)
+    assert "twinstep train: resumed from step 1\n" in capsys.readouterr().out
+    assert attempts(moved)[-1] == (2, [2]), attempts(moved)
     return load_state(moved)
 
 
@@ -150,13 +163,15 @@ def _max_err(a: dict, b: dict) -> float:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("hosts")
-def test_two_processes_train_what_one_does_survive_a_kill_and_resume_in_one(killed, tmp_path):
+def test_two_processes_train_what_one_does_survive_a_kill_and_resume_in_one(killed, tmp_path,
+                                                                           capsys):
     """2 processes x 2 replicas, killed with SIGKILL after their first checkpoint: the launcher
     stops the other process at once, naming the dead one. Their step 1 is one process's with the
     same 4 replicas (f64, every parameter within the tie's floor 1e-10), and their checkpoint,
     resumed in one process as 2 replicas x 2N, ends step 2 where that process does; resumed at
-    another global batch, it is refused. (Control: step 2 is > 1e-6 away from step 1 — the
-    bound sees a step.)"""
+    another global batch, it is refused. (Controls: a wrong distributed program — the two
+    processes training with the shard-gamma bug — ends step 1 far outside the bound; step 2 is
+    > 1e-6 away from step 1 — the bound sees a step.)"""
     from twinstep import api
 
     run, seconds, status, err = killed
@@ -170,20 +185,28 @@ def test_two_processes_train_what_one_does_survive_a_kill_and_resume_in_one(kill
     two = load_state(run, 1)
     assert _max_err(two, one[1]) <= 1e-10
     bitwise = all(np.array_equal(two["params"][k], one[1]["params"][k]) for k in two["params"])
-    print(f"two processes vs one, 4 replicas, f64, step 1: bitwise {bitwise}")
     with pytest.raises(UsageError, match=r"R N = 4 x 2 = 8; this one is 2 x 2 = 4"):
         api.train("mnv4in_momdp2", _copy(killed, tmp_path / "refused"), replicas=2,
                   resume=True, **COMMON)  # another global batch: refused before any work
-    moved = _resumed(killed, tmp_path, "mnv4in_momdp4", 2)
+    moved = _resumed(killed, tmp_path, capsys, "mnv4in_momdp4", 2)
     assert int(moved["step"]) == STEPS
     assert _max_err(moved, one[STEPS]) <= 1e-10
     assert _max_err(one[1], one[STEPS]) > 1e-6
+    # the control: the same two processes with BN's gamma gradient from each replica's own
+    # statistics (a classic sync-BN bug) are not one process's step 1
+    broken = tmp_path / "shard-gamma"
+    _killed_after_step_1(broken, "--control", "shard-gamma")
+    wrong = _max_err(load_state(broken, 1), one[1])
+    print(f"two processes vs one, 4 replicas, f64, step 1: bitwise {bitwise}; under "
+          f"shard-gamma {wrong:.1e} away")
+    assert wrong > 1e-6, wrong
 
 
 @pytest.mark.slow
 @pytest.mark.all
 @pytest.mark.xdist_group("hosts")
-def test_the_killed_run_resumes_over_two_processes_and_in_one_on_one_replica(killed, tmp_path):
+def test_the_killed_run_resumes_over_two_processes_and_in_one_on_one_replica(killed, tmp_path,
+                                                                            capsys):
     """The killed run resumed as it was (the launcher, --resume) and in one process on ONE
     replica of 4N: both end step 2 where the two-process run would (each other's, 1e-10)."""
     from twinstep import api
@@ -194,10 +217,14 @@ def test_the_killed_run_resumes_over_two_processes_and_in_one_on_one_replica(kil
                              capture_output=True, timeout=WAIT_S)
     assert resumed.returncode == 0, resumed.stderr
     assert "[0] val (raw): top-1" in resumed.stdout and "[1] val" not in resumed.stdout
+    for i in (0, 1):  # each process restored step 1
+        assert f"[{i}] twinstep train: resumed from step 1\n" in resumed.stdout, resumed.stdout
     two = load_state(again)
     assert int(two["step"]) == STEPS
     one = _copy(killed, tmp_path / "one")
+    capsys.readouterr()
     api.train("mnv4in_momdp8", one, replicas=1, resume=True, **COMMON)
+    assert "twinstep train: resumed from step 1\n" in capsys.readouterr().out
     assert _max_err(load_state(one), two) <= 1e-10
     pair = compare.compare([again, one])["pairs"][0]  # the processes' hits totalled
     assert pair["only_first"] == pair["only_run"] == 0
@@ -290,12 +317,15 @@ def test_training_with_a_render_over_two_processes_trains_what_one_does(tmp_path
 @pytest.mark.slow
 @pytest.mark.xdist_group("hosts")
 def test_a_supervised_run_killed_twice_ends_where_the_uninterrupted_one_does(tmp_path):
-    """`launch --max-restarts 2`: process 1 killed with SIGKILL twice, each time somewhere after
-    a new checkpoint; the launcher restarts both processes each time (a line naming the process
-    and the step resumed, a line of restarts.jsonl) and the run ends bitwise where the same
-    launch without kills ends (f64, the same topology)."""
+    """`launch --max-restarts 2`: process 1 killed with SIGKILL twice, each time as a new
+    checkpoint (not the last) is whole; the launcher restarts both processes each time (a line
+    naming the process and the step resumed, a line of restarts.jsonl), each restarted process
+    restores that step (its own line) and the attempt runs only the steps after it (its event
+    file), and the run ends bitwise where the same launch without kills ends (f64, the same
+    topology)."""
     import json
-    import random
+
+    from test_train import attempts
 
     steps = 4
     argv = [*TRAIN[:TRAIN.index("--steps")], "--steps", str(steps),
@@ -304,11 +334,12 @@ def test_a_supervised_run_killed_twice_ends_where_the_uninterrupted_one_does(tmp
     done = subprocess.run(_launch(*argv, "--out", str(whole)), capture_output=True, text=True,
                           timeout=WAIT_S)
     assert done.returncode == 0, done.stderr
-    run = tmp_path / "supervised"
+    run, out = tmp_path / "supervised", tmp_path / "supervised.out"
     launch = _launch(*argv, "--out", str(run))
-    proc = subprocess.Popen([*launch[:6], "--max-restarts", "2", *launch[6:]],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    chance, deadline, after = random.Random(0), time.monotonic() + WAIT_S, 0
+    with open(out, "w") as stdout:  # the processes' lines, [i]-prefixed
+        proc = subprocess.Popen([*launch[:6], "--max-restarts", "2", *launch[6:]],
+                                stdout=stdout, stderr=subprocess.PIPE, text=True)
+    deadline, after = time.monotonic() + WAIT_S, 0
     for kill in range(2):
         while True:  # a checkpoint past the last resume, written by these processes
             saved = [int(n) for n in os.listdir(run / "checkpoints") if n.isdigit()] if (
@@ -318,7 +349,6 @@ def test_a_supervised_run_killed_twice_ends_where_the_uninterrupted_one_does(tmp
                 break
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
             time.sleep(0.05)
-        time.sleep(chance.uniform(0, 0.3))
         os.kill(children[1], signal.SIGKILL)
         while not (run / "restarts.jsonl").exists() or len(
                 (run / "restarts.jsonl").read_text().splitlines()) <= kill:
@@ -333,6 +363,18 @@ def test_a_supervised_run_killed_twice_ends_where_the_uninterrupted_one_does(tmp
     for r in restarts:
         assert f"restart {r['restart']} of 2: process 1 was killed by SIGKILL; resuming from " \
                f"step {r['resumed_step']}" in err, err
+    # what each restarted process restored, and what each attempt ran: the launcher's step
+    # above is its reading of the checkpoint folder
+    resumed = [r["resumed_step"] for r in restarts]
+    assert all(0 < k < steps for k in resumed), resumed
+    lines = re.findall(r"^\[(\d)\] twinstep train: resumed from step (\d+)", out.read_text(),
+                       re.M)
+    assert [int(k) for i, k in lines if i == "0"] == resumed, lines
+    assert [int(k) for i, k in lines if i == "1"] == resumed, lines
+    logged = attempts(run)
+    assert [start for start, _ in logged] == [1] + [k + 1 for k in resumed], logged
+    assert all(ran[:1] == [start] for start, ran in logged), logged
+    assert logged[-1][1] == list(range(resumed[-1] + 1, steps + 1)), logged
     a, b = load_state(whole), load_state(run)
     import jax
 

@@ -6,7 +6,6 @@ same global batch (f64) — the tie, through the real loop and real data."""
 import dataclasses
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -39,6 +38,9 @@ RECIPE = "mnv4in_adamdp4"  # MobileNetV4: compiling dominates its small steps (c
     ({"keep": 0}, "--keep must be >= 1"),
     ({"seed": -1}, "--seed"),
     ({"precision": "f16"}, "unknown --precision"),
+    ({"control": "sync"}, "unknown --control"),
+    ({"control": "sum", "replicas": 1}, "R = 1 has none"),
+    ({"control": "unsynced"}, "its own running statistics"),
 ])
 def test_a_bad_configuration_is_one_line_before_any_work(kw, message):
     with pytest.raises(UsageError, match=message):
@@ -91,9 +93,14 @@ def _train(out, data, *extra):
 def test_a_run_killed_and_resumed_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path):
     """On an image folder through timm's transforms, RandAugment, mixup / CutMix and an image
     that does not decode: the uninterrupted run reads with 2 loader processes, the killed and
-    resumed one with a thread — and ends bitwise where the other does."""
+    resumed one with a thread — and ends bitwise where the other does. Training is
+    deterministic, so a "resume" that started again from step 0 would end there too: the kill
+    is shown to land mid-run (the process still running, a checkpoint written, not the last),
+    and the resumed run to restore that checkpoint (its own line) and run only the steps after
+    it (its own event file)."""
     from test_data import write_folder
 
+    from twinstep.processes import launcher
     from twinstep.training import compare
 
     data = write_folder(str(tmp_path / "data"))
@@ -106,17 +113,21 @@ def test_a_run_killed_and_resumed_ends_bit_for_bit_where_an_uninterrupted_one_do
     assert "val (raw): top-1" in done.stdout
     assert done.stderr.count("does not decode") == 1, done.stderr
     assert json.loads((whole / "metrics.jsonl").read_text().splitlines()[-2])["skipped"] > 0
+    # killed mid-run: once it has logged step 3 and its step-2 checkpoint is whole — somewhere
+    # in steps 4-6, or writing the step-4 checkpoint — while it still runs (the kill's status)
     proc = subprocess.Popen(_train(killed, data), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 900
-    while not (killed / "checkpoints" / "2").exists() and proc.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    time.sleep(random.Random(0).uniform(0, 0.5))  # somewhere in steps 3-6
+    _await(proc, lambda: (killed / "checkpoints" / "2").is_dir() and _logged(killed) >= 3)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.wait() == -signal.SIGKILL  # it was running when the kill landed
+    saved = launcher.resume_step(["train", "--out", str(killed)])  # its latest whole one
+    assert saved in (2, 4) and not (killed / "checkpoints" / "6").exists(), saved
     resumed = subprocess.run(_train(killed, data), capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr
+    # the resumed run continued from that checkpoint (the line the loop prints from the state
+    # it restored) and ran steps saved + 1 .. 6 only (its own TensorBoard event file)
+    assert f"twinstep train: resumed from step {saved}\n" in resumed.stdout, resumed.stdout
+    assert attempts(killed)[-1] == (saved + 1, list(range(saved + 1, 7))), attempts(killed)
     a, b = load_state(whole), load_state(killed)
     import jax
 
@@ -141,6 +152,45 @@ def test_a_run_killed_and_resumed_ends_bit_for_bit_where_an_uninterrupted_one_do
                            timeout=300)
     assert other.returncode == 2 and other.stderr.count("\n") == 1
     assert "seed = 0" in other.stderr
+
+
+def _await(proc, condition, seconds: float = 900) -> None:
+    """Wait until ``condition()`` holds while ``proc`` runs (failing if it ends first)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert proc.poll() is None, f"the run ended first (status {proc.returncode})"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _logged(run_dir) -> int:
+    """The last step RUN_DIR's metrics.jsonl has a train record of (0: none yet)."""
+    from twinstep.training import run_log
+
+    if not (run_dir / run_log.METRICS).exists():
+        return 0
+    return max((r["step"] for r in run_log.read_metrics(str(run_dir))[0]), default=0)
+
+
+def attempts(run_dir) -> list[tuple[int, list[int]]]:
+    """What each attempt at RUN_DIR's run — the first and each resume — logged: (the step its
+    TensorBoard event file starts at, the steps of the train records in it), in order. Each
+    attempt's `RunLog` writes a file of its own, starting at the restored step + 1."""
+    from test_runlog import _event_files, _events
+
+    from twinstep.training import run_log
+
+    run_log._import_tensorboardx()  # without torch
+    from tensorboardX.proto.event_pb2 import SessionLog
+
+    out = []
+    for path in _event_files(run_dir):
+        events = _events(path, torn_ok=True)  # a killed attempt's
+        start = [e.step for e in events if e.HasField("session_log")
+                 and e.session_log.status == SessionLog.START]
+        out.append((start[0], [e.step for e in events
+                               if any(v.tag == "train/loss" for v in e.summary.value)]))
+    return out
 
 
 def _exported_weights_run_in_timm_as_in_twinstep(run_dir):
@@ -251,7 +301,7 @@ class _StandIn:
 
 
 def test_a_nan_stops_at_its_step_and_a_cut_off_checkpoint_write_leaves_the_last_one(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, capsys):
     from twinstep import program
     from twinstep.training import loop
 
@@ -271,8 +321,10 @@ def test_a_nan_stops_at_its_step_and_a_cut_off_checkpoint_write_leaves_the_last_
     assert int(load_state(tmp_path / "run")["step"]) == 4
     monkeypatch.setattr(stand_in, "nan_at", None)
     resumed = []
+    capsys.readouterr()
     loop.run(dataclasses.replace(cfg, resume=True),
              progress=lambda s, m: resumed.append((s, m.get("phase"))))
+    assert capsys.readouterr().out == "twinstep train: resumed from step 4\n"
     assert resumed[0] == (5, None) and int(load_state(tmp_path / "run")["step"]) == 8
     # the evaluation at step 8 is announced as it starts (the bar's "compiling the
     # evaluation..."), then step 8 is told of with its result

@@ -75,6 +75,12 @@ def add(p) -> None:
                         "seconds — a hung collective, a stuck loader —, so that 'launch "
                         "--max-restarts' restarts it (default: max(10 x the median time "
                         "between metrics read-backs, 300); docs/training.md#stalls)")
+    from twinstep.collectives import CONTROLS
+
+    p.add_argument("--control", choices=sorted(CONTROLS), default=default["control"],
+                   help="train a deliberately broken step: a negative control, which a "
+                        "comparison with a correct run must catch (not 'unsynced', whose "
+                        "replicas keep their own statistics; docs/training.md#negative-controls)")
     p.add_argument("--fast-compile", action="store_true",
                    help="compile at XLA -O0: the same numerics, half the compile, a slower "
                         "step (for short runs)")

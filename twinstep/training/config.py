@@ -20,7 +20,7 @@ from twinstep.ops.precision import NAMES as PRECISIONS
 # number of loader workers does not, nor the topology: R and N may change at the same R N, and
 # the recipe's name with N — its other fields must match, `check_run_dir`)
 RESUME_FIELDS = ("data", "res", "steps", "precision", "seed", "init_from", "randaugment",
-                 "mixup", "cutmix", "artifact", "loader")
+                 "mixup", "cutmix", "artifact", "loader", "control")
 # what a render fixes, which a run with --artifact must give alike
 ARTIFACT_FIELDS = ("recipe", "replicas", "batch", "res", "precision")
 AUGMENT_FIELDS = ("randaugment", "mixup", "cutmix")  # the recipe's, unless given
@@ -62,6 +62,7 @@ class TrainConfig:
     resume: bool = False  # insist on continuing: refuse a RUN_DIR that holds no run
     fast_compile: bool = False  # dp.FAST_COMPILE: the same numerics, compiled at -O0
     stall_timeout: float | None = None  # s without progress that end the run; None: watchdog's
+    control: str = "none"  # a negative control (twinstep.collectives.CONTROLS): a broken step
 
     def __post_init__(self):
         if self.data != "digits" and not os.path.isdir(self.data):
@@ -92,6 +93,7 @@ class TrainConfig:
                              f"({self.ckpt_every}), got {self.keep_every}")
         if not 0 <= self.seed < 2**31:
             raise UsageError(f"--seed must be >= 0 and < 2^31, got {self.seed}")
+        self._check_control()
         self._choose_defaults()
         recipe = self.parsed_recipe()
         multiple = get_net(recipe.net).INPUT_MULTIPLE
@@ -104,6 +106,24 @@ class TrainConfig:
                              f"use a dp recipe for --replicas {self.replicas}")
         if self.artifact is not None:
             self._check_artifact()
+
+    def _check_control(self) -> None:
+        """--control: a whole step's negative control, on the Python step of R > 1 replicas."""
+        from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS
+
+        if self.control not in CONTROLS:
+            raise UsageError(f"unknown --control {self.control!r}; choose from "
+                             f"{', '.join(CONTROLS)}")
+        if self.control == "none":
+            return
+        if self.replicas == 1:
+            raise UsageError(f"--control {self.control} breaks a collective; R = 1 has none")
+        if self.control in GRADIENT_ONLY_CONTROLS:
+            raise UsageError(f"--control {self.control} leaves each replica its own running "
+                             f"statistics, which a whole step's replicated state cannot hold")
+        if self.artifact is not None:
+            raise UsageError("--control breaks the Python step; a render carries its own "
+                             "('twinstep render --control')")
 
     def _choose_defaults(self) -> None:
         """Fill in what was not given (docs/training.md#defaults): on the digits their small

@@ -54,7 +54,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
                   "processes": cluster.count(), "resolved_recipe": dataclasses.asdict(recipe)}
         disk.publish({os.path.join(cfg.out, "config.json"): json.dumps(config, indent=1).encode()})
     prog = program.train_program(net, recipe, src.classes, cfg.replicas, cfg.precision,
-                                 fast_compile=cfg.fast_compile)
+                                 control=cfg.control, fast_compile=cfg.fast_compile)
     eval_fn = program.eval_program(net, cfg.precision, cfg.fast_compile)
     prepare = program.prepare_program(src.classes, cfg.precision, cfg.replicas, cfg.fast_compile)
     # the step: a render's, or compiled now, before the state and data exist (the run's peak)
@@ -67,6 +67,9 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
         state = checkpoints.restore(state)
     state = prog.place(state)
     start = int(cluster.local_value(state.step))
+    if resuming:  # every process, from the state it placed: what the run continues from
+        print(f"twinstep train: resumed from step {start}" + (
+            "" if start else " (no checkpoint yet: from the start)"), flush=True)
 
     # --- the loop: step, log, evaluate, checkpoint. The host waits for the devices only at a
     # boundary (the first step; a log, eval or checkpoint step; the last): the next batch goes
