@@ -179,12 +179,10 @@ Artifact, load_artifact, tie_artifact = LoadedRender, load_render, tie_render
 def train(recipe: str, out: str, progress=None, warn=None, **config) -> dict:
     """Train recipe ``recipe`` (a name or preset) into RUN_DIR ``out`` with its tied step,
     continuing the run already there; returns the last evaluation ({"raw": {loss, top1, top5},
-    "ema": ...}). ``config``: the fields of `twinstep.training.config.TrainConfig` (data —
-    "digits" or an image folder —, replicas, batch, res, eval_res, steps or epochs, eval_every,
-    ckpt_every, keep, log_every, precision, seed, workers, loader — "pillow" or "dali" —,
-    randaugment, mixup, cutmix, init_from, artifact, resume, fast_compile); ``progress(step,
-    metrics)`` is told of every step and of each evaluation as it starts (metrics["phase"]),
-    ``warn(text)`` once of images that do not decode."""
+    "ema": ...}). ``config``: any field of `twinstep.training.config.TrainConfig`, by keyword
+    (each is a `twinstep train` flag: docs/training.md); ``progress(step, metrics)`` is told
+    of every step and of each evaluation as it starts (metrics["phase"]), ``warn(text)`` once
+    of images that do not decode."""
     from twinstep.processes import disk
     from twinstep.training import loop
     from twinstep.training.config import TrainConfig
