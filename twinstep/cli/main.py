@@ -128,16 +128,12 @@ def main(argv=None) -> int:
 
 
 def settled(status: int) -> int:
-    """``status``, once every computation JAX has dispatched has finished. JAX runs programs
-    asynchronously: an error raised while a step runs (a render's signature, checked at its
-    first call, after the tie had dispatched the single-device steps) would end the process
-    while XLA's threads still run that step, and the C++ static destructors that exit() runs
-    (oneDNN's, as seen) would free what those threads use: a segfault, exit 139, after the one
-    line. Called while the error is handled, so that its traceback still holds the step's
-    pending outputs among JAX's live arrays. It starts no backend (one that has not started
-    has run nothing; starting it could abort, as on a bad XLA_FLAGS), and waits for nothing
-    with several processes: a step waiting for a peer that is gone would never finish
-    (`entry` ends such a process with os._exit, which runs no destructors)."""
+    """``status``, once every computation JAX has dispatched has finished. An error raised
+    while a step still runs (JAX dispatches asynchronously) would otherwise end the process
+    under XLA's threads: exit()'s C++ destructors free what they use, a segfault after the one
+    line (docs/platform.md#exit). Called while the error is handled, so its traceback still
+    holds the step's outputs. Starts no backend; waits for nothing with several processes,
+    where a peer may be gone (`entry` os._exits those)."""
     if "jax" not in sys.modules or _in_a_runtime():
         return status
     import jax
