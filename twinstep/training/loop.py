@@ -62,14 +62,8 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
 
     # --- restore: the latest checkpoint, else step 0 (timm's initialisation or --init-from)
     checkpoints = Checkpoints(cfg.out, cfg.keep, cfg.keep_every)
-    state = state_dict.initial_state(cfg, net, prog, src.classes)
-    if resuming:
-        state = checkpoints.restore(state)
-    state = prog.place(state)
-    start = int(cluster.local_value(state.step))
-    if resuming:  # every process, from the state it placed: what the run continues from
-        print(f"twinstep train: resumed from step {start}" + (
-            "" if start else " (no checkpoint yet: from the start)"), flush=True)
+    state, start = _restored(state_dict.initial_state(cfg, net, prog, src.classes),
+                             checkpoints, prog, resuming)
 
     # --- the loop: step, log, evaluate, checkpoint. The host waits for the devices only at a
     # boundary (the first step; a log, eval or checkpoint step; the last): the next batch goes
@@ -119,6 +113,20 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
                 checkpoints.save(done, state)
             say(done, {**record, **({"eval": last_eval} if last_eval else {})})
         return last_eval or evaluation.evaluate(src, cfg, state, eval_fn)[0]
+
+
+def _restored(state, checkpoints: Checkpoints, prog, resuming: bool) -> tuple:
+    """(the state the run starts from, placed on the replicas; its step): the latest checkpoint
+    when continuing, else ``state``. A continued run says which step, in every process, read
+    from the state it placed, not from the checkpoint folder (the resume tests hold it)."""
+    if resuming:
+        state = checkpoints.restore(state)
+    state = prog.place(state)
+    start = int(cluster.local_value(state.step))
+    if resuming:
+        print(f"twinstep train: resumed from step {start}" + (
+            "" if start else " (no checkpoint yet: from the start)"), flush=True)
+    return state, start
 
 
 def _read_back(pending: list, checkpoints: Checkpoints) -> float:
