@@ -6,15 +6,12 @@ installing into .venv.
 """
 
 import os
-import shutil
 import subprocess
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIES = [f"tie {net} --loss {loss}" for net in ("resnet50", "mnv4") for loss in ("ce", "bce")]
-
-pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
 
 
 def _fake_twinstep(tmp_path, failing: str = "", verdict: str = "", status: int = 0) -> str:
