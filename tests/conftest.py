@@ -38,9 +38,10 @@ SWEEP_PHASES = (tuple(Phase) if os.environ.get("TWINSTEP_HYPOTHESIS") == "all"
 
 
 # XLA at -O0 (dp.FAST_COMPILE, the same numerics) halves a compile and runs the program 14-18x
-# slower (bench/probes/opt_level.py): it pays only for programs that run once or twice.
-# MobileNetV4's ties are dominated by compiling their replica programs; ResNet-50's by running,
-# so they run at the default (its R = 4 whole-step tie: 148 s at -O0, 34 s at the default).
+# slower (bench/probes/opt_level.py): it pays only for programs that run a few times, as a
+# one-step tie's do for both nets (tests/test_tie.py, tests/test_sweep.py compile them so). Of
+# whole steps, MobileNetV4's are dominated by compiling; ResNet-50's by running, so they run at
+# the default (its R = 4 whole-step tie: 148 s at -O0, 34 s at the default).
 FAST_COMPILE_NETS = {"mnv4"}
 
 _LIBC = ctypes.CDLL("libc.so.6")

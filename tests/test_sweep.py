@@ -10,6 +10,7 @@ controls), so cases come in groups: each group draws a shape and two controls, t
 passing group's count of inconclusive ties is 0 by construction).
 """
 
+import dataclasses
 import os
 import time
 
@@ -49,7 +50,7 @@ def test_random_ties_tie_and_their_controls_break_them(group, record_property):
     loose = []  # (case, verdict) of every tie that was not tied: the group fails, naming them all
     for _ in range(CASES):
         case = {**shape, "seed": int(rng.integers(0, 2**31)), "shift": bool(rng.integers(2))}
-        cfg = tie.TieConfig(**case)
+        cfg = tie.TieConfig(**case, fast_compile=True)  # a tie's programs run a few times
         r = tie.run_tie(cfg)
         # a tie is claimed, so only "tied" passes: an inconclusive run (a bound over 1e-3, too
         # loose to see a bug of 1%) is within its bounds but shows nothing (docs/tie.md)
@@ -60,7 +61,7 @@ def test_random_ties_tie_and_their_controls_break_them(group, record_property):
             loose.append(f"{case}: {r.verdict()}")
         if len(controls):
             control = str(rng.choice(controls))
-            broken = tie.run_tie(tie.TieConfig(**case, control=control))
+            broken = tie.run_tie(dataclasses.replace(cfg, control=control))
             assert broken.status == "NOT tied", f"{case}, {control}: {broken.verdict()}"
             counts["controls"] += 1
     for key, value in counts.items():

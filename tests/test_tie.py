@@ -9,19 +9,19 @@ with the subtle control (ResNet-50 in f32 under BCE in test-all); ResNet-50 in b
 among them, can see) and MobileNetV4 in bf16 at R = 2. It sees every control fail once on
 ResNet-50: `sum`, `shard-gamma` and `unsynced` here (sharing the R = 2 single-device
 program), each by at least CONTROL_MARGIN times its bound, `divisor-plus-one` in the f32 and
-bf16 ties, `wrong-divisor` as a broken render (tests/test_render.py). The rest of the matrix
-(every R x loss x net, every control on MNv4 and the others here on ResNet-50 in f64, the bf16
-sweep, the sweep's random draws) is marked ``all`` (`make test-all`).
+bf16 ties, `wrong-divisor` as a broken render tied across processes (tests/test_hosts.py). The
+rest of the matrix (every R x loss x net, every control on MNv4 and the others here on
+ResNet-50 in f64, the bf16 sweep, the sweep's random draws) is marked ``all``
+(`make test-all`). Every tie here compiles at -O0 (`run`).
 """
 
-import dataclasses
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-from conftest import FAST_COMPILE_NETS, SWEEP_PHASES
+from conftest import SWEEP_PHASES
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -39,8 +39,9 @@ def matrix(*cases, keep):
 
 
 def run(**kw) -> tie.TieReport:
-    cfg = tie.TieConfig(**kw)
-    return tie.run_tie(dataclasses.replace(cfg, fast_compile=cfg.net in FAST_COMPILE_NETS))
+    """A tie compiled at -O0, both nets (conftest.FAST_COMPILE_NETS: a one-step tie's programs
+    run a few times). The default's compile: the README's example (tests/test_api.py)."""
+    return tie.run_tie(tie.TieConfig(**kw, fast_compile=True))
 
 
 def assert_tied(r: tie.TieReport):
@@ -291,8 +292,8 @@ def test_cli_exit_codes_json_and_picture(tmp_path, capsys):
 
     out, png = tmp_path / "tie.json", tmp_path / "tie.png"
     ok = subprocess.run([sys.executable, "-m", "twinstep.cli", "tie", "resnet50", "--replicas",
-                         "2", "--json", str(out), "--plot", str(png)], capture_output=True,
-                        text=True, timeout=900)
+                         "2", "--fast-compile", "--json", str(out), "--plot", str(png)],
+                        capture_output=True, text=True, timeout=900)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "tied: 161/161 parameters, 53/53 BN sites" in ok.stdout
     assert f"picture: {png}" in ok.stdout and png.read_bytes()[:4] == b"\x89PNG"
