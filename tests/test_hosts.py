@@ -3,9 +3,9 @@ distributed runtime, their CPU collectives over gloo — P = 2 processes x 2 rep
 
 The claims: a run over two processes trains what one process trains with the same four replicas
 (f64, the tie's floor); a process killed with SIGKILL stops the other at once with a line naming
-it, and the run resumes from its last checkpoint; a checkpoint written by two processes resumes
-in one process on another topology at the same global batch and continues the same trajectory;
-the tie holds across processes and its control fails there."""
+it, and a supervised run restarts both from its last checkpoint; a checkpoint written by two
+processes resumes in one process on another topology at the same global batch and continues the
+same trajectory; the tie holds across processes and its control fails there."""
 
 import contextlib
 import os
@@ -24,11 +24,11 @@ from twinstep import UsageError
 from twinstep.processes import cluster, launcher
 from twinstep.training.checkpoint import load_state
 
-STEPS = 2
+STEPS = 3  # room for two kills, each at a checkpoint that is not the last
 # 2 processes x 2 replicas x N = 2: the global batch of test_train's R = 2 x 4 and R = 1 x 8
 TRAIN = ["train", "mnv4in_momdp2", "--data", "digits", "--replicas", "4", "--steps", str(STEPS),
-         "--ckpt-every", "1", "--eval-every", str(STEPS), "--log-every", "1", "--precision",
-         "f64", *(["--fast-compile"] if "mnv4" in FAST_COMPILE_NETS else [])]
+         "--ckpt-every", "1", "--keep", str(STEPS), "--eval-every", str(STEPS), "--log-every",
+         "1", "--precision", "f64", *(["--fast-compile"] if "mnv4" in FAST_COMPILE_NETS else [])]
 WAIT_S = 900
 
 
@@ -103,7 +103,7 @@ def test_a_process_other_than_0_loads_the_step_it_compiled_from_the_cache(tmp_pa
     assert len(compiles) == 3
 
 
-COMMON = {"steps": STEPS, "eval_every": STEPS, "ckpt_every": 1, "keep": STEPS,
+COMMON = {"steps": STEPS, "eval_every": STEPS, "ckpt_every": 1, "keep": STEPS, "log_every": 1,
           "precision": "f64", "fast_compile": "mnv4" in FAST_COMPILE_NETS}
 
 
@@ -124,6 +124,17 @@ def _killed_after_step_1(run, *argv) -> tuple[float, int, str]:
 
 
 @pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """A run of 2 processes x 2 replicas (TRAIN), every step's checkpoint kept: the two-process
+    trajectory the tests below hold one process's and a supervised run's to."""
+    run = tmp_path_factory.mktemp("hosts") / "uninterrupted"
+    done = subprocess.run(_launch(*TRAIN, "--out", str(run)), capture_output=True, text=True,
+                          timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr
+    return run
+
+
+@pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     """A run of 2 processes x 2 replicas, killed with SIGKILL after its step-1 checkpoint, and
     what the launcher said: (RUN_DIR, seconds from the kill to the launcher's end, status,
@@ -138,18 +149,27 @@ def _copy(killed, tmp_path) -> str:
     return str(tmp_path / "resumed")
 
 
-def _resumed(killed, tmp_path, capsys, recipe: str, replicas: int) -> dict:
-    """The killed run's checkpoint resumed in this one process as ``replicas`` x its N — shown
-    to restore step 1 (the loop's line) and to run step 2 alone (its event file)."""
+def _at_step_1(run, dest) -> str:
+    """A copy of ``run`` as a kill just after its step-1 checkpoint would leave it: the later
+    checkpoints gone (the log's later lines the resume drops)."""
+    shutil.copytree(run, dest)
+    for name in os.listdir(dest / "checkpoints"):
+        if name.isdigit() and int(name) > 1:
+            shutil.rmtree(dest / "checkpoints" / name)
+    return str(dest)
+
+
+def _resumed(moved: str, capsys, recipe: str, replicas: int) -> dict:
+    """The step-1 checkpoint in ``moved`` resumed in this one process as ``replicas`` x its N —
+    shown to restore step 1 (the loop's line) and to run steps 2.. alone (its event file)."""
     from test_train import attempts
 
     from twinstep import api
 
-    moved = _copy(killed, tmp_path)
     capsys.readouterr()
     api.train(recipe, moved, replicas=replicas, resume=True, **COMMON)
     assert "twinstep train: resumed from step 1\n" in capsys.readouterr().out
-    assert attempts(moved)[-1] == (2, [2]), attempts(moved)
+    assert attempts(moved)[-1] == (2, list(range(2, STEPS + 1))), attempts(moved)
     return load_state(moved)
 
 
@@ -163,39 +183,39 @@ def _max_err(a: dict, b: dict) -> float:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("hosts")
-def test_two_processes_train_what_one_does_survive_a_kill_and_resume_in_one(killed, tmp_path,
-                                                                           capsys):
-    """2 processes x 2 replicas, killed with SIGKILL after their first checkpoint: the launcher
-    stops the other process at once, naming the dead one. Their step 1 is one process's with the
-    same 4 replicas (f64, every parameter within the tie's floor 1e-10), and their checkpoint,
-    resumed in one process as 2 replicas x 2N, ends step 2 where that process does; resumed at
-    another global batch, it is refused. (Controls: a wrong distributed program — the two
-    processes training with the shard-gamma bug — ends step 1 far outside the bound; step 2 is
-    > 1e-6 away from step 1 — the bound sees a step.)"""
+def test_two_processes_train_what_one_does_stop_together_and_resume_in_one(uninterrupted,
+                                                                          tmp_path, capsys):
+    """2 processes x 2 replicas: their step 1 is one process's with the same 4 replicas (f64,
+    every parameter within the tie's floor 1e-10), and their step-1 checkpoint, resumed in one
+    process as 2 replicas x 2N, ends the run where that process does; resumed at another global
+    batch, it is refused. (Controls: a wrong distributed program — the two processes training
+    with the shard-gamma bug — ends step 1 far outside the bound; the last step is > 1e-6 away
+    from step 1 — the bound sees a step.) That run, killed with SIGKILL after its first
+    checkpoint, shows the launcher stopping the other process at once, naming the dead one."""
     from twinstep import api
 
-    run, seconds, status, err = killed
-    assert seconds < 60 and status == 3, (seconds, status, err)
-    assert "process 1 was killed by SIGKILL; stopping the others" in err, err
-    assert re.search(r"(stopped process 0|process 0 exited with status 3 too) \(process 1 had "
-                     r"failed\)", err), err
-    assert not (run / "checkpoints" / str(STEPS)).exists()  # killed before the end
     api.train("mnv4in_momdp2", str(tmp_path / "one"), replicas=4, **COMMON)
     one = {s: load_state(tmp_path / "one", s) for s in (1, STEPS)}
-    two = load_state(run, 1)
+    two = load_state(uninterrupted, 1)
     assert _max_err(two, one[1]) <= 1e-10
     bitwise = all(np.array_equal(two["params"][k], one[1]["params"][k]) for k in two["params"])
     with pytest.raises(UsageError, match=r"R N = 4 x 2 = 8; this one is 2 x 2 = 4"):
-        api.train("mnv4in_momdp2", _copy(killed, tmp_path / "refused"), replicas=2,
+        api.train("mnv4in_momdp2", _at_step_1(uninterrupted, tmp_path / "refused"), replicas=2,
                   resume=True, **COMMON)  # another global batch: refused before any work
-    moved = _resumed(killed, tmp_path, capsys, "mnv4in_momdp4", 2)
+    moved = _resumed(_at_step_1(uninterrupted, tmp_path / "moved"), capsys, "mnv4in_momdp4", 2)
     assert int(moved["step"]) == STEPS
     assert _max_err(moved, one[STEPS]) <= 1e-10
     assert _max_err(one[1], one[STEPS]) > 1e-6
     # the control: the same two processes with BN's gamma gradient from each replica's own
-    # statistics (a classic sync-BN bug) are not one process's step 1
+    # statistics (a classic sync-BN bug) are not one process's step 1; killed after it, as any
+    # run (the launcher does not read the program)
     broken = tmp_path / "shard-gamma"
-    _killed_after_step_1(broken, "--control", "shard-gamma")
+    seconds, status, err = _killed_after_step_1(broken, "--control", "shard-gamma")
+    assert seconds < 60 and status == 3, (seconds, status, err)
+    assert "process 1 was killed by SIGKILL; stopping the others" in err, err
+    assert re.search(r"(stopped process 0|process 0 exited with status 3 too) \(process 1 had "
+                     r"failed\)", err), err
+    assert not (broken / "checkpoints" / str(STEPS)).exists()  # killed before the end
     wrong = _max_err(load_state(broken, 1), one[1])
     print(f"two processes vs one, 4 replicas, f64, step 1: bitwise {bitwise}; under "
           f"shard-gamma {wrong:.1e} away")
@@ -258,8 +278,9 @@ def _rendered(out, name: str, control: str = "none") -> str:
 def test_a_render_ties_across_processes_and_a_broken_one_fails_there(tmp_path):
     """`tie --render` under the launcher: the render's R = 4 over 2 processes x 2 devices
     against the single device (f64, every state tensor after each of two steps); the
-    wrong-divisor render, tied the same way, is NOT tied. (The render's placement and the
-    whole-step tie's across processes, which `tie --recipe` and `train --artifact` share.)"""
+    wrong-divisor render, tied the same way, is NOT tied — the control of the one-process
+    `tie --render` too (tests/test_render.py). (The render's placement and the whole-step tie's
+    across processes, which `tie --recipe` and `train --artifact` share.)"""
     name = "mnv4in_adamdp1"
     fast = ["--fast-compile"] if "mnv4" in FAST_COMPILE_NETS else []
     good = _rendered(tmp_path / "good", name)
@@ -316,7 +337,8 @@ def test_training_with_a_render_over_two_processes_trains_what_one_does(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("hosts")
-def test_a_supervised_run_killed_twice_ends_where_the_uninterrupted_one_does(tmp_path):
+def test_a_supervised_run_killed_twice_ends_where_the_uninterrupted_one_does(uninterrupted,
+                                                                           tmp_path):
     """`launch --max-restarts 2`: process 1 killed with SIGKILL twice, each time as a new
     checkpoint (not the last) is whole; the launcher restarts both processes each time (a line
     naming the process and the step resumed, a line of restarts.jsonl), each restarted process
@@ -327,15 +349,9 @@ def test_a_supervised_run_killed_twice_ends_where_the_uninterrupted_one_does(tmp
 
     from test_train import attempts
 
-    steps = 4
-    argv = [*TRAIN[:TRAIN.index("--steps")], "--steps", str(steps),
-            *TRAIN[TRAIN.index("--steps") + 2:]]
-    whole = tmp_path / "whole"
-    done = subprocess.run(_launch(*argv, "--out", str(whole)), capture_output=True, text=True,
-                          timeout=WAIT_S)
-    assert done.returncode == 0, done.stderr
+    steps = STEPS
     run, out = tmp_path / "supervised", tmp_path / "supervised.out"
-    launch = _launch(*argv, "--out", str(run))
+    launch = _launch(*TRAIN, "--out", str(run))
     with open(out, "w") as stdout:  # the processes' lines, [i]-prefixed
         proc = subprocess.Popen([*launch[:6], "--max-restarts", "2", *launch[6:]],
                                 stdout=stdout, stderr=subprocess.PIPE, text=True)
@@ -375,7 +391,7 @@ def test_a_supervised_run_killed_twice_ends_where_the_uninterrupted_one_does(tmp
     assert [start for start, _ in logged] == [1] + [k + 1 for k in resumed], logged
     assert all(ran[:1] == [start] for start, ran in logged), logged
     assert logged[-1][1] == list(range(resumed[-1] + 1, steps + 1)), logged
-    a, b = load_state(whole), load_state(run)
+    a, b = load_state(uninterrupted), load_state(run)
     import jax
 
     leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
