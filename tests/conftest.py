@@ -11,7 +11,16 @@ everything, with TWINSTEP_HYPOTHESIS=all for the whole-network sweeps' random dr
 
 import os
 
-import jax
+# Each pytest worker's share of the cores for torch's OpenMP threads and numpy's BLAS: idle
+# OpenMP threads spin, so two workers' torch at two threads each on two cores run several
+# times slower than at one each, and slow an XLA program beside them too. Set before either
+# library starts (torch is imported on first use, oracle_libs); the CLI processes tests start
+# inherit it.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+
+import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
