@@ -315,13 +315,15 @@ def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_p
     arrays = dict(zip(names, map(np.asarray, jax.tree.leaves(state)), strict=True))
     np.savez(tmp_path / "in.npz", xs=np.asarray(xs), ts=np.asarray(ts),
              key=np.asarray(jax.random.key_data(key)), **arrays)
-    run = reader.step(*reader.load(paths[".jaxexport"]))
+    # both sides at -O0 (`dp.FAST_COMPILE`, the runner's --fast-compile): the step runs 3 times
+    run = reader.step(*reader.load(paths[".jaxexport"]), fast_compile=True)
     ref, metrics = run(state, xs, ts, key)
     ref = jax.tree.map(bounds.host, ref)  # one host copy, not the R = 4 replicated state
     script = os.path.join(os.path.dirname(render.__file__), "runner.py")
     code = ("import runpy, sys\n"
             f"sys.argv = ['runner.py', {paths['.jaxexport']!r}, '--inputs', "
-            f"{str(tmp_path / 'in.npz')!r}, '--outputs', {str(tmp_path / 'out.npz')!r}]\n"
+            f"{str(tmp_path / 'in.npz')!r}, '--outputs', {str(tmp_path / 'out.npz')!r}, "
+            "'--fast-compile']\n"
             "try:\n"
             f"    runpy.run_path({script!r}, run_name='__main__')\n"
             "except SystemExit as e:\n"
