@@ -171,6 +171,7 @@ def train_program(net: Net, recipe, classes: int, replicas: int = 1,
     params, buffers = abstract_params(net, classes, prec.dtype)
     opt = optim.for_recipe(recipe, params)
 
+    @jax.jit  # one program: the optimizer's zeros eagerly would be a program per shape
     def init(p, b):
         return step.init_state(recipe, p, b, opt)
 

@@ -165,8 +165,10 @@ def _draw(sample, key, shapes: dict, dtype, *bounds) -> dict:
 
 
 def init_buffers(param_shapes: dict, dtype=jnp.float32) -> dict:
-    return {k: (jnp.zeros if k.endswith("mean") else jnp.ones)(s, dtype)
-            for k, s in buffer_shapes(param_shapes).items()}
+    """BN's running means 0 and variances 1, made on the host and put in one transfer (jnp's
+    zeros and ones would be a program per shape)."""
+    return jax.device_put({k: (np.zeros if k.endswith("mean") else np.ones)(s, dtype)
+                           for k, s in buffer_shapes(param_shapes).items()})
 
 
 NEAR_INIT_SCALE = 0.01  # near-init: every BN gamma 1 + this N(0, 1), every beta this N(0, 1)
