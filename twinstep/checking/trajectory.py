@@ -89,6 +89,12 @@ class StepsReport(bounds.Verdict):
     config: TieConfig
     steps: list  # per step: {"step", "rows": [...], "loss": {...}}
     artifact: str | None = None  # the render tied (NAME.jaxexport), if not the Python step
+    # in a process other than 0, which compares nothing (``steps`` empty): process 0's status
+    shared_status: str | None = None
+
+    @property
+    def status(self) -> str:
+        return self.shared_status or super().status
 
     @property
     def within(self) -> bool:
@@ -135,7 +141,9 @@ def run_steps_tie(cfg: TieConfig, recipe=None, steps: int = STEPS, net=None, rep
     keys; every state tensor compared after every step (`compare_states`). ``replica``: the
     R-replica step to tie, (state, xs [k, R N, ...], ts, key) -> (state, metrics) — by default
     the Python step; `twinstep.rendering.reader.step` ties a render instead. Every program may
-    donate the state it steps: the four trajectories start from copies.
+    donate the state it steps: the four trajectories start from copies. With several processes
+    (`twinstep.processes.cluster`) all run the replica step, and only process 0 runs the
+    single device's and compares; the others' report is empty and carries its status.
     ``progress(text)``: told what runs now."""
     net = net or get_net(cfg.net)
     recipe = recipe or cfg.parsed_recipe()
@@ -144,6 +152,7 @@ def run_steps_tie(cfg: TieConfig, recipe=None, steps: int = STEPS, net=None, rep
     if steps < 1:
         raise UsageError(f"--steps must be >= 1, got {steps}")
     say = progress or (lambda text: None)
+    primary = cluster.is_primary()  # the single device's side runs in process 0 alone
     prec = tie_precision(cfg.precision)
     single, python_replica = train_programs(net, recipe, cfg, prec)
     # four trajectories, each one state, and a micro-batch's activations
@@ -165,24 +174,34 @@ def run_steps_tie(cfg: TieConfig, recipe=None, steps: int = STEPS, net=None, rep
                               prec.dtype)
         key = jax.random.fold_in(jax.random.key(cfg.seed), s)
         u = jax.random.normal(jax.random.fold_in(key, 1), xs.shape, xs.dtype)
-        say(f"step {s + 1}/{steps}: the single device at R N = {n}"
-            + (" (compiling)" if s == 0 else ""))
-        ref, ref_m = single.step(ref, xs, ts, key, order)
-        # the noise floor: the single device's own trajectory under a rounding-sized input nudge
-        # and with every batch reversed (its masks reordered alike) — the same mathematics
-        say(f"step {s + 1}/{steps}: the noise floor (nudged and reordered single-device runs)")
-        nudged, nudged_m = single.step(nudged, xs * (1 + bounds.perturbation(xs.dtype) * u), ts,
-                                       key, order)
-        reordered, reordered_m = single.step(reordered, xs[:, ::-1], ts[:, ::-1], key, reverse)
+        if primary:
+            say(f"step {s + 1}/{steps}: the single device at R N = {n}"
+                + (" (compiling)" if s == 0 else ""))
+            ref, ref_m = single.step(ref, xs, ts, key, order)
+            # the noise floor: the single device's own trajectory under a rounding-sized input
+            # nudge and with every batch reversed (its masks reordered alike) — the same
+            # mathematics
+            say(f"step {s + 1}/{steps}: the noise floor (nudged and reordered single-device "
+                f"runs)")
+            nudged, nudged_m = single.step(nudged, xs * (1 + bounds.perturbation(xs.dtype) * u),
+                                           ts, key, order)
+            reordered, reordered_m = single.step(reordered, xs[:, ::-1], ts[:, ::-1], key,
+                                                 reverse)
         say(f"step {s + 1}/{steps}: {cfg.replicas} replicas of N = {cfg.batch}"
             + (" (compiling)" if s == 0 else ""))
         ours, our_m = replica(ours, xs, ts, key)
-        say(f"step {s + 1}/{steps}: comparing every state tensor")
-        report.steps.append({"step": s + 1,
-                             "rows": compare_states(cluster.gathered(ours), ref,
-                                                    (nudged, reordered), bounds.F64_PARAM_BOUND),
-                             "loss": _loss_row(cluster.gathered(our_m), ref_m,
-                                               (nudged_m, reordered_m), bounds.F64_STAT_BOUND)})
+        gathered = cluster.gathered((ours, our_m))  # every process gathers together
+        if primary:
+            say(f"step {s + 1}/{steps}: comparing every state tensor")
+            report.steps.append({
+                "step": s + 1,
+                "rows": compare_states(gathered[0], ref, (nudged, reordered),
+                                       bounds.F64_PARAM_BOUND),
+                "loss": _loss_row(gathered[1], ref_m, (nudged_m, reordered_m),
+                                  bounds.F64_STAT_BOUND)})
+    if cluster.count() > 1:
+        report.shared_status = cluster.from_primary("steps tie status",
+                                                    report.status if primary else None)
     return report
 
 

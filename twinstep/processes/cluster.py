@@ -224,6 +224,22 @@ def barrier(name: str) -> None:
                                                     BARRIER_TIMEOUT_S * 1000)
 
 
+def from_primary(name: str, value: str | None) -> str:
+    """Process 0's ``value`` (a string; the others pass None) in every process, through the
+    runtime's key-value store, waited for as long as `barrier` waits."""
+    if count() == 1:
+        return value
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    _barriers[name] = _barriers.get(name, 0) + 1
+    key = f"twinstep/{name}/{_barriers[name]}"
+    if is_primary():
+        client.key_value_set(key, value)
+        return value
+    return client.blocking_key_value_get(key, BARRIER_TIMEOUT_S * 1000)
+
+
 _barriers: dict[str, int] = {}  # how often each barrier was met: each meeting has its own id
 _compiled: dict = {}
 
