@@ -48,7 +48,10 @@ def fields(report: trajectory.StepsReport) -> dict:
     return out
 
 
+# the control's single-device steps are the tie's, loaded from the run's compilation cache when
+# one worker runs both, one after the other (on two workers at once, both compiled them)
 @pytest.mark.slow
+@pytest.mark.xdist_group("steps-tie")
 @pytest.mark.parametrize("name", [STEP_FEATURES,
                                   pytest.param(EVERY_FEATURE, marks=pytest.mark.all)])
 def test_step_features_tie_over_two_steps(name, tmp_path):
@@ -69,6 +72,7 @@ def test_step_features_tie_over_two_steps(name, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("steps-tie")
 def test_replicated_masks_break_the_step_features_tie():
     """The whole-step tie's control, one step of the recipe above (its single-device steps come
     from the run's compilation cache): every replica taking the first replica's drop-path and
