@@ -107,6 +107,7 @@ def test_a_loader_is_refused_where_it_cannot_read_and_is_part_of_a_run(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("folder-run")  # one worker, in turn: one compiles, the other loads
 def test_a_run_trains_with_dali(tmp_path):
     """`twinstep train --loader dali`, RandAugment, mixup / CutMix and a truncated image: the
     run ends, evaluates and counts the image it skipped (its compiles are the resume test's)."""
