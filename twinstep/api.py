@@ -99,7 +99,8 @@ def tie_steps(recipe: str, steps: int | None = None, progress=None, **config):
     """Tie ``steps`` (default 3) whole training steps of ``recipe`` (a name or preset) in
     float64: every parameter, optimizer-state, EMA and running-statistics tensor after every
     step. ``config``: TieConfig's fields (the net, batch and loss come from the recipe).
-    Returns a `twinstep.checking.trajectory.StepsReport`."""
+    Returns a `twinstep.checking.trajectory.StepsReport`; with several processes, process 0's
+    holds the comparison and the others' only its status (docs/hosts.md)."""
     from twinstep.checking import trajectory
     from twinstep.checking.tie import TieConfig
 

@@ -106,6 +106,8 @@ class StepsReport(bounds.Verdict):
                 for r in [*s["rows"], {"name": "loss", **s["loss"]}]]
 
     def verdict(self) -> str:
+        if self.shared_status and not self.steps:
+            return f"{self.shared_status} (compared in process 0)"
         rows = [(r, s["step"]) for s in self.steps for r in s["rows"]]
         worst, at = max(rows, key=lambda rs: rs[0]["rel_err"])
         last = self.steps[-1]["rows"]
