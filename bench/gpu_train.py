@@ -47,12 +47,12 @@ def data_rate(data: str, kind: str, recipe: str, res: int, workers: int, steps: 
     """img/s of the loader alone over its last quarter of batches, with the recipe's
     augmentation: by then its workers have started and drained what they built ahead."""
     from twinstep import recipes
-    from twinstep.data import loader, mix
+    from twinstep.data import loader, mix, sources
 
     r = recipes.parse(recipe)
-    augment = loader.Augment(r.randaugment, mix.MixParams(r.mixup, r.cutmix)
+    augment = sources.Augment(r.randaugment, mix.MixParams(r.mixup, r.cutmix)
                              if r.mixup or r.cutmix else None)
-    src = loader.source(data, res, kind, workers)
+    src = sources.get_source(data, res, kind, workers)
     stream = loader.train_stream(src, augment, 0, 0, steps, r.accum, r.batch, workers)
     times = [time.perf_counter() for _ in stream]
     stream.close()

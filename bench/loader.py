@@ -67,10 +67,10 @@ def twinstep_batches(root: str, workers: int, randaugment: bool, steps: int,
     """A generator of twinstep's training batches (and the callable that stops it), from the
     image folder or, given its packed copy, from that; ``kind`` "dali": DALI decodes, on
     max(workers, 1) threads."""
-    from twinstep.data import loader, mix
+    from twinstep.data import loader, mix, sources
 
-    src = loader.source(root, RES, kind, workers)
-    augment = loader.Augment(RANDAUGMENT if randaugment else None, mix.MixParams(MIXUP, CUTMIX))
+    src = sources.get_source(root, RES, kind, workers)
+    augment = sources.Augment(RANDAUGMENT if randaugment else None, mix.MixParams(MIXUP, CUTMIX))
     stream = loader.train_stream(src, augment, 0, 0, steps, 1, ROWS, workers)
     return stream, stream.close
 

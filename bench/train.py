@@ -37,7 +37,7 @@ def loop_overhead(args) -> str:
     import jax
 
     from twinstep import api, dp, program
-    from twinstep.data import loader
+    from twinstep.data import loader, sources
     from twinstep.nets import get_net
     from twinstep.training import state_dict
     from twinstep.training.config import TrainConfig
@@ -72,10 +72,10 @@ def loop_overhead(args) -> str:
                 last_saving = [r for r in map(json.loads, f) if "loss" in r][-1]
             tc = TrainConfig(args.recipe, os.path.join(tmp, "bare"), **cfg)
             prog, recipe = made["train"], tc.parsed_recipe()
-            src = loader.source("digits", args.res)
+            src = sources.get_source("digits", args.res)
             state = prog.place(state_dict.initial_state(tc, get_net(recipe.net), prog,
                                                         src.classes))
-            b = loader.train_batch(src, loader.Augment(), 0, 0, recipe.accum, tc.rows)
+            b = loader.train_batch(src, sources.Augment(), 0, 0, recipe.accum, tc.rows)
             xs, ts = program.prepare_program(src.classes, tc.precision, args.replicas)(
                 *jax.device_put((b.xs, b.labels), jax.sharding.NamedSharding(
                     dp.mesh(args.replicas), dp.MICRO_BATCH)), b.mix, b.box)

@@ -12,7 +12,7 @@ from test_data import write_folder
 from test_train import _train
 
 from twinstep import UsageError, cli
-from twinstep.data import dali, loader, mix
+from twinstep.data import dali, loader, mix, sources
 from twinstep.training.config import TrainConfig, check_run_dir
 
 # the [dali] extra: conftest refuses to run these without it, never skips them
@@ -25,7 +25,7 @@ PIXEL_BOUND = 0.5
 
 def _rows(src, step, augment=None, rows=8):
     idx = np.arange(rows)
-    return src.train_rows(idx, 0, step, idx, augment or loader.Augment())
+    return src.train_rows(idx, 0, step, idx, augment or sources.Augment())
 
 
 def _worst(a, b) -> float:
@@ -41,14 +41,14 @@ def test_dali_crops_are_the_pillow_paths_and_a_swapped_filter_is_seen(tmp_path, 
     assert dali.INTERP == (int(types.DALIInterpType.INTERP_TRIANGULAR),
                            int(types.DALIInterpType.INTERP_CUBIC))
     root = write_folder(str(tmp_path / "data"))
-    pillow, ours = loader.source(root, 16), loader.source(root, 16, "dali", 1)
+    pillow, ours = sources.get_source(root, 16), sources.get_source(root, 16, "dali", 1)
     for step in (0, 1):
         want, got = _rows(pillow, step)[0], _rows(ours, step)[0]
         assert _worst(got, want) <= PIXEL_BOUND, step
         assert _worst(got[:, :, ::-1], want) > 20 * PIXEL_BOUND  # control: a flip
     assert _worst(ours.val_rows(np.arange(8))[0], pillow.val_rows(np.arange(8))[0]) <= PIXEL_BOUND
     monkeypatch.setattr(dali, "INTERP", dali.INTERP[::-1])  # control: the filters swapped
-    swapped = loader.source(root, 16, "dali", 1)
+    swapped = sources.get_source(root, 16, "dali", 1)
     assert _worst(_rows(swapped, 0)[0], _rows(pillow, 0)[0]) > 2 * PIXEL_BOUND
 
 
@@ -60,18 +60,21 @@ def test_dali_batches_are_a_function_of_seed_and_step(tmp_path):
     root = write_folder(str(tmp_path / "data"))
     with open(os.path.join(root, "train", "ant", "1.JPG"), "wb") as f:
         f.write(b"\xff\xd8 truncated")
-    augment = loader.Augment(randaugment=9, mix=mix.MixParams(0.2, 1.0))
-    whole = list(loader.train_stream(loader.source(root, 16, "dali", 2), augment, 7, 0, 4, 2, 4, 2))
-    resumed = list(loader.train_stream(loader.source(root, 16, "dali", 1), augment, 7, 2, 4, 2, 4,
-                                       0))
+    augment = sources.Augment(randaugment=9, mix=mix.MixParams(0.2, 1.0))
+    def stream(threads, start, workers):
+        src = sources.get_source(root, 16, "dali", threads)
+        assert isinstance(src, sources.Source)  # every attribute and method of the protocol
+        return list(loader.train_stream(src, augment, 7, start, 4, 2, 4, workers))
+
+    whole, resumed = stream(2, 0, 2), stream(1, 2, 0)
     assert all(np.array_equal(a, b) for x, y in zip(whole[2:], resumed, strict=True)
                for a, b in zip(x, y, strict=True))
-    pillow = list(loader.train_stream(loader.source(root, 16), augment, 7, 0, 4, 2, 4, 0))
+    pillow = list(loader.train_stream(sources.get_source(root, 16), augment, 7, 0, 4, 2, 4, 0))
     assert [b.labels.tolist() for b in whole] == [b.labels.tolist() for b in pillow]
     assert [b.skipped for b in whole] == [b.skipped for b in pillow] and sum(
         b.skipped for b in whole) > 0
-    src = loader.source(root, 16, "dali", 1)
-    plain, augmented = _rows(src, 3)[0], _rows(src, 3, loader.Augment(randaugment=9))[0]
+    src = sources.get_source(root, 16, "dali", 1)
+    plain, augmented = _rows(src, 3)[0], _rows(src, 3, sources.Augment(randaugment=9))[0]
     sizes = [src._readable(src.train, r)[1] for r in range(8)]  # the rows' images: 0 ... 7
     idle = [all(dali.draws(np.random.default_rng([0, 3, 0, r]), *sizes[r], 9)[f"op{k}"]
                 == dali.IDENTITY for k in range(dali.RA_LAYERS)) for r in range(8)]
@@ -82,7 +85,7 @@ def test_dali_batches_are_a_function_of_seed_and_step(tmp_path):
     assert sum(not same[r] for r in range(8) if not idle[r]) >= 2, (same, idle)
     packed = str(tmp_path / "packed")
     assert cli.main(["pack", root, "--out", packed, "--max-side", "320"]) == 0
-    from_packed = loader.source(packed, 16, "dali", 1)
+    from_packed = sources.get_source(packed, 16, "dali", 1)
     assert _rows(from_packed, 0)[0].shape == (8, 16, 16, 3)
 
 

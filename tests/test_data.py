@@ -1,6 +1,7 @@
-"""The trainer's image-folder data (twinstep.data.folder, twinstep.data.loader): torchvision's
-ImageFolder listing, refusals, undecodable images replaced and counted, and batches that are a
-function of (seed, step) whatever the number of loader workers."""
+"""The trainer's image-folder data (twinstep.data.folder, .sources, .loader): torchvision's
+ImageFolder listing, refusals, the sources behind one protocol, undecodable images replaced and
+counted, and batches that are a function of (seed, step) whatever the number of loader
+workers."""
 
 import os
 import shutil
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from twinstep.data import folder, loader, mix
+from twinstep.data import folder, loader, mix, sources, transforms
 from twinstep.errors import UsageError
 
 
@@ -50,7 +51,7 @@ def test_on_a_folder_the_defaults_are_the_recipes_and_on_the_digits_small(tree):
     from twinstep.training.config import TrainConfig
 
     a3 = TrainConfig("rsb-a3", "/tmp/unused", data=tree)
-    images = loader.train_size(tree)
+    images = sources.train_size(tree)
     assert (a3.res, a3.eval_res, a3.epochs, a3.batch) == (160, 224, 100, 256)
     assert a3.steps == -(-100 * images // 256)
     assert a3.parsed_recipe().warmup_steps == a3.steps * 5 // 100
@@ -116,20 +117,20 @@ def test_an_image_that_does_not_decode_is_replaced_by_the_next_and_counted(tree)
     data = open(split.paths[1], "rb").read()
     with open(split.paths[1], "wb") as f:
         f.write(data[:len(data) // 2])  # a truncated JPEG
-    src = loader.Folder(tree, 16)
-    x, labels, skipped = src.train_rows(np.array([0, 5]), 0, 0, np.arange(2), loader.Augment())
+    src = sources.get_source(tree, 16)
+    x, labels, skipped = src.train_rows(np.array([0, 5]), 0, 0, np.arange(2), sources.Augment())
     assert skipped.tolist() == [2, 0] and x.shape == (2, 16, 16, 3)
     assert labels.tolist() == [split.labels[2], split.labels[5]]  # image 2 stood in for 0
     for path in split.paths:
         with open(path, "wb") as f:
             f.write(b"")
     with pytest.raises(UsageError, match="decodes"):
-        src.train_rows(np.array([3]), 0, 0, np.arange(1), loader.Augment())
+        src.train_rows(np.array([3]), 0, 0, np.arange(1), sources.Augment())
 
 
 def test_a_step_is_a_function_of_seed_and_step_whatever_the_workers(tree):
-    src = loader.Folder(tree, 16)
-    augment = loader.Augment(randaugment=9, mix=mix.MixParams(0.2, 1.0))
+    src = sources.get_source(tree, 16)
+    augment = sources.Augment(randaugment=9, mix=mix.MixParams(0.2, 1.0))
     rows = 4
 
     def steps(workers, start=0):
@@ -159,8 +160,31 @@ def test_a_step_is_a_function_of_seed_and_step_whatever_the_workers(tree):
         assert np.array_equal(b.mix, whole.mix) and np.array_equal(b.box, whole.box)
 
 
+def test_every_source_is_the_protocol_and_chosen_by_one_table(tree, tmp_path):
+    """The digits, a folder and its packed copy (Pillow) each hold `sources.Source` whole; the
+    format and loader tables choose them; a source missing one method is not a Source (the
+    control: the check sees an attribute gone); a path that is no format is refused."""
+    from twinstep.data import packed, pillow
+
+    out = str(tmp_path / "packed")
+    packed.pack(tree, out)
+    found = {data: sources.get_source(data, 16) for data in ("digits", tree, out)}
+    assert all(isinstance(src, sources.Source) for src in found.values())
+    assert isinstance(found[out].train, packed.Split) and isinstance(found[tree].train,
+                                                                     folder.Split)
+    assert found[tree].val_kind() == found[out].val_kind() != found["digits"].val_kind()
+    assert [s.augments for s in found.values()] == [False, True, True]
+
+    class NoValKind(pillow.Pillow):
+        val_kind = None
+
+    assert not isinstance(NoValKind(folder.scan_both(tree), 16), sources.Source)
+    with pytest.raises(UsageError, match="no such directory"):
+        sources.get_source(str(tmp_path / "absent"), 16)
+
+
 def test_every_val_image_is_evaluated_once(tree):
-    src = loader.Folder(tree, 16)
+    src = sources.get_source(tree, 16)
     n = len(src.val_labels)
     got = list(loader.val_stream(src, 5, 0))
     assert len(got) == -(-n // 5) == loader.val_batch_count(src, 5)
@@ -235,9 +259,9 @@ def test_a_packed_folder_trains_as_its_folder_does(tmp_path, capsys):
     kept = [i for i in range(len(original)) if i != 1]
     assert np.array_equal(train.labels, original.labels[kept]) and len(val) == 12
     assert min(train.image(0).size) == 24  # 30 x 26 brought down to a short side of 24
-    src = loader.source(out, 16)
-    assert isinstance(src, loader.Packed) and loader.train_size(out) == 11
-    augment = loader.Augment(randaugment=9, mix=mix.MixParams(0.2, 1.0))
+    src = sources.get_source(out, 16)
+    assert isinstance(src.train, packed.Split) and sources.train_size(out) == 11
+    augment = sources.Augment(randaugment=9, mix=mix.MixParams(0.2, 1.0))
     alone = list(loader.train_stream(src, augment, 7, 0, 3, 2, 4, 0))
     pooled = list(loader.train_stream(src, augment, 7, 0, 3, 2, 4, 2))
     assert all(np.array_equal(a, b) for x, y in zip(alone, pooled, strict=True)
@@ -250,8 +274,8 @@ def test_a_packed_folder_trains_as_its_folder_does(tmp_path, capsys):
     vals = folder.scan(tree, "val")
     for where, floor in ((fine, 30.0), (coarse, None)):
         split = packed.open_splits(where)[1]
-        psnr = [_psnr(loader.transforms.eval_transform(split.image(i), 16),
-                      loader.transforms.eval_transform(vals.image(i), 16))
+        psnr = [_psnr(transforms.eval_transform(split.image(i), 16),
+                      transforms.eval_transform(vals.image(i), 16))
                 for i in range(len(vals))]
         if floor is not None:
             assert min(psnr) > floor, psnr
@@ -262,4 +286,4 @@ def test_a_packed_folder_trains_as_its_folder_does(tmp_path, capsys):
     assert "not an empty folder" in capsys.readouterr().err
     os.remove(os.path.join(out, "val-00000.array_record"))
     with pytest.raises(UsageError, match="shards cannot be read|images"):
-        loader.source(out, 16)
+        sources.get_source(out, 16)

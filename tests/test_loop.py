@@ -99,7 +99,7 @@ def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none", 
     input times 1 + a rounding-sized N(0, 1) draw): the same mathematics, the noise floor's
     twins. ``starts``: None (timm's loop carries its own state), or updates -> the state (in
     `_ours`'s groups) each update after the first starts from instead."""
-    from twinstep.data import loader
+    from twinstep.data import loader, sources
 
     model = copy.deepcopy(model)
     if control != "own-masks":  # twinstep's masks, handed over (`hand_masks`)
@@ -115,8 +115,8 @@ def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none", 
     sched, per = timm_recipe.scheduler(opt, recipe, control)
     ema = timm_recipe.ema(model, recipe, control)
     loss_fn = timm_recipe.loss(recipe)
-    src = loader.source("digits", res)
-    batches = loader.train_stream(src, loader.Augment(), 0, 0, STEPS, recipe.accum,
+    src = sources.get_source("digits", res)
+    batches = loader.train_stream(src, sources.Augment(), 0, 0, STEPS, recipe.accum,
                                   REPLICAS * recipe.batch, 0)
     named = dict(model.named_parameters())
     updates = 0

@@ -90,7 +90,7 @@ def add(p) -> None:
 
 def _loader_options(p, default: dict) -> None:
     """How an image folder is read and augmented: --workers, --loader, the augmentations."""
-    from twinstep.data.loader import LOADERS
+    from twinstep.data.sources import LOADERS
     from twinstep.training.config import MAX_WORKERS
 
     p.add_argument("--workers", type=options.int_in(0, MAX_WORKERS + 1),

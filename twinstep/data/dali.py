@@ -28,7 +28,7 @@ import warnings
 import numpy as np
 from PIL import Image
 
-from twinstep.data import transforms
+from twinstep.data import folder, transforms
 from twinstep.errors import UsageError
 
 RA_LAYERS = 2  # timm's rand-m*-n2: ops per image
@@ -41,7 +41,7 @@ BINS = 101  # magnitude bins: a magnitude m in [0, 10] is bin round(10 m)
 INTERP = (4, 2)
 
 
-def available() -> str | None:
+def unavailable() -> str | None:
     """None when DALI imports, else why not (one line)."""
     try:
         import nvidia.dali  # noqa: F401
@@ -165,12 +165,19 @@ def _eval_pipeline(res: int, rows: int, threads: int, device_id):
     return pipe
 
 
+def make(splits, res: int, threads: int, eval_res: int | None = None) -> Dali:
+    """The `twinstep.data.sources.Source` of ``splits`` on ``threads`` DALI threads, on this
+    process's GPU when JAX has one."""
+    return Dali(splits, res, threads, device_id(), eval_res)
+
+
 class Dali:
     """The splits of a folder or a packed folder (each with ``encoded(i)``: image i's file
     bytes) decoded by DALI at S x S on ``threads`` threads — a GPU's decoder when
     ``device_id`` is set. Pipelines are built on first use, in the thread that uses them."""
 
-    THREADS_ARE_WORKERS = True  # --workers W: DALI's threads, in the loader's own thread
+    augments = True
+    threads_are_workers = True  # --workers W: DALI's threads, in the loader's own thread
 
     def __init__(self, splits, res: int, threads: int, device_id: int | None = None,
                  eval_res: int | None = None):
@@ -237,6 +244,9 @@ class Dali:
         pipe = self._pipe("train", len(idx), augment.randaugment is not None)
         return (self._run(pipe, feeds), np.asarray(labels, np.int32),
                 np.asarray(skipped, np.int64))
+
+    def val_kind(self) -> str:
+        return folder.kind(self.val)
 
     def val_rows(self, idx):
         """(uint8 [len(idx), E, E, 3] at E = eval_res, images skipped)."""

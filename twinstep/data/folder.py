@@ -9,7 +9,7 @@ refuses it.
 
 An image that cannot be decoded (corrupt, truncated, not an image behind an image extension) is
 not fatal: `load` returns None for it and the loader takes the next image of the split in its
-place, counting it (`twinstep.data.loader`).
+place, counting it (`twinstep.data.sources`).
 """
 
 from __future__ import annotations
@@ -89,6 +89,12 @@ def scan_both(root: str) -> tuple[Split, Split]:
         raise UsageError(f"--data {root}: train/ and val/ must hold the same classes; "
                          f"{len(only)} differ, e.g. {only[0]!r}")
     return train, val
+
+
+def kind(split) -> str:
+    """What kind of split ``split`` is (a folder's or a packed folder's, which share it): its
+    class names, for pairing runs image by image (`twinstep.data.sources.Source.val_kind`)."""
+    return "folder:" + "/".join(split.classes)
 
 
 def load(path: str) -> Image.Image | None:

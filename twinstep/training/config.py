@@ -10,7 +10,7 @@ import json
 import os
 
 from twinstep import recipes
-from twinstep.data import loader
+from twinstep.data import sources
 from twinstep.defaults import WARMUP_LR
 from twinstep.errors import UsageError
 from twinstep.nets import get_net
@@ -53,7 +53,7 @@ class TrainConfig:
     precision: str | None = None  # None: bf16 with the recipe's bf16 token, else f32
     seed: int = 0
     workers: int = 0  # loader processes (0: a background thread); results do not depend on it
-    loader: str = "pillow"  # or "dali" (loader.LOADERS): who decodes and augments a folder
+    loader: str = "pillow"  # or "dali" (sources.LOADERS): who decodes and augments a folder
     randaugment: int | None = None  # these three: None keeps the recipe's (recipes.Recipe)
     mixup: float | None = None
     cutmix: float | None = None
@@ -65,12 +65,9 @@ class TrainConfig:
     control: str = "none"  # a negative control (twinstep.collectives.CONTROLS): a broken step
 
     def __post_init__(self):
-        if self.data != "digits" and not os.path.isdir(self.data):
-            raise UsageError(f"--data {self.data}: no such directory (or 'digits', the "
-                             f"embedded set)")
+        sources.check(self.data, self.loader)
         if not 0 <= self.workers <= MAX_WORKERS:
             raise UsageError(f"--workers must be in [0, {MAX_WORKERS}], got {self.workers}")
-        loader.check_loader(self.loader, self.data)
         if self.stall_timeout is not None and not 1 <= self.stall_timeout <= 86400:
             raise UsageError(f"--stall-timeout must be in [1, 86400] s, got {self.stall_timeout}")
         if self.init_from is not None:
@@ -154,7 +151,7 @@ class TrainConfig:
                 chosen[field] = why
         if self.epochs is not None:
             per_step = self.rows * r.accum
-            object.__setattr__(self, "steps", -(-self.epochs * loader.train_size(self.data)
+            object.__setattr__(self, "steps", -(-self.epochs * sources.train_size(self.data)
                                                 // per_step))
         elif self.steps is None:
             object.__setattr__(self, "steps", SMOKE_STEPS)

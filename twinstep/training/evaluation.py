@@ -32,7 +32,7 @@ def evaluate(src, cfg, state, eval_fn) -> tuple[dict, dict]:
     split: metrics {"raw": {loss, top1, top1_low, top1_high, top5}, "ema": ...} (top-1's 95 %
     `interval`), correct {"raw": bool [n]: image i's top-1 is right, "ema": ...}. Sharded over
     the replicas (`eval_placement`), the last batch padded and masked so every image counts
-    once (an image that does not decode is replaced by the next, `twinstep.data.loader`). A
+    once (an image that does not decode is replaced by the next, `twinstep.data.sources`). A
     process reads and scores its own replicas' rows; sums and hits are totalled over
     processes."""
     n = len(src.val_labels)
@@ -69,8 +69,6 @@ def val_fingerprint(src) -> str:
     """What identifies ``src``'s val split for pairing runs image by image: a hash of its kind
     (the digits or a folder), class names and labels in order (a folder and its packed copy
     share it)."""
-    kind = "digits" if isinstance(src, loader.Digits) else "folder:" + "/".join(
-        src.val.classes)
-    h = hashlib.sha256(kind.encode())
+    h = hashlib.sha256(src.val_kind().encode())
     h.update(np.asarray(src.val_labels, np.int64).tobytes())
     return h.hexdigest()[:16]

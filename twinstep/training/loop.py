@@ -18,7 +18,8 @@ import time
 import jax
 
 from twinstep import dp, program, recipes
-from twinstep.data import loader
+from twinstep.data import loader, sources
+from twinstep.data.mix import MixParams
 from twinstep.errors import UsageError
 from twinstep.nets import get_net
 from twinstep.processes import cluster, disk, settings
@@ -44,7 +45,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     # RUN_DIR (read by every process before process 0 writes it), the programs
     recipe = cfg.parsed_recipe()
     net = get_net(recipe.net)
-    src = loader.source(cfg.data, cfg.res, cfg.loader, cfg.workers, cfg.eval_res)
+    src = sources.get_source(cfg.data, cfg.res, cfg.loader, cfg.workers, cfg.eval_res)
     resuming = check_run_dir(cfg)
     cluster.barrier("run-dir-read")
     if cluster.is_primary():
@@ -164,13 +165,13 @@ def _ahead(stream, cfg: TrainConfig):
         yield placed
 
 
-def _augment(src, recipe: recipes.Recipe) -> loader.Augment:
-    """The recipe's augmentation for an image folder; the digits are not augmented."""
-    if isinstance(src, loader.Digits):
-        return loader.Augment()
+def _augment(src: sources.Source, recipe: recipes.Recipe) -> sources.Augment:
+    """The recipe's augmentation where the source augments (not the digits)."""
+    if not src.augments:
+        return sources.Augment()
     mixing = recipe.mixup > 0 or recipe.cutmix > 0
-    return loader.Augment(recipe.randaugment,
-                          loader.mix.MixParams(recipe.mixup, recipe.cutmix) if mixing else None)
+    return sources.Augment(recipe.randaugment,
+                           MixParams(recipe.mixup, recipe.cutmix) if mixing else None)
 
 
 class _NoLog:

@@ -1,0 +1,150 @@
+"""What the trainer reads: a `Source` — the embedded digits, or an image dataset's two splits
+decoded by a loader — chosen once from ``--data`` and ``--loader`` (`get_source`).
+
+A dataset format is how its splits are opened (`FORMATS`: a packed folder, an ImageFolder
+tree); a loader is who decodes and augments their images (`LOADERS`: Pillow through timm's
+transforms, DALI). A new format or loader is a module of its own and one row of its table;
+the trainer, its evaluation and its loader processes see only `Source`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from collections.abc import Callable
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+
+from twinstep.data import digits, folder, mix, packed
+from twinstep.errors import UsageError
+
+DIGITS = "digits"  # --data digits: the embedded set (`twinstep.data.digits`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Augment:
+    """The recipe's augmentation of a training batch: RandAugment's magnitude (None: off), the
+    mix (None: off)."""
+
+    randaugment: int | None = None
+    mix: mix.MixParams | None = None
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A dataset as the trainer reads it. Rows are drawn by index (`twinstep.data.batches`); a
+    train row's augmentation is seeded by (seed, step, its row of the step's batch), so the
+    same index at the same row gives the same pixels in any process or worker."""
+
+    res: int  # S: train crops are S x S
+    eval_res: int  # E: val crops are E x E
+    classes: int  # K
+    train_labels: np.ndarray  # [images] int32, in index order
+    val_labels: np.ndarray  # [images] int32
+    augments: bool  # whether the recipe's RandAugment and mix apply (the digits: never)
+    threads_are_workers: bool  # --workers W are its own threads: no loader processes
+
+    def train_rows(self, idx: np.ndarray, seed: int, step: int, row_ids: np.ndarray,
+                   augment: Augment) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(images [n, S, S, 3] — uint8 crops, or float32 already normalised — labels [n]
+        int32, images skipped per row [n] int64) of dataset rows ``idx``, which are rows
+        ``row_ids`` of step ``step``'s batch. An image that does not decode is replaced by the
+        next one of its split and counted."""
+
+    def val_rows(self, idx: np.ndarray) -> tuple[np.ndarray, int]:
+        """(images [n, E, E, 3], images skipped) of val rows ``idx``."""
+
+    def val_kind(self) -> str:
+        """What kind of val split this is, for pairing runs image by image
+        (`twinstep.training.evaluation.val_fingerprint`): a folder and its packed copy share
+        it."""
+
+
+class Digits:
+    """The embedded digits at S x S, the val split at ``eval_res`` (normalised already,
+    float32; no augmentation: a flipped or cropped digit is another digit)."""
+
+    augments = False
+    threads_are_workers = False
+
+    def __init__(self, res: int, eval_res: int | None = None):
+        self.res, self.eval_res = res, eval_res or res
+        self.train_labels = digits.split("train", res)[1]
+        self.val_labels = digits.split("val", self.eval_res)[1]
+        self.classes = digits.CLASSES
+
+    def train_rows(self, idx, seed, step, row_ids, augment):
+        images, labels = digits.split("train", self.res)
+        return images[idx], labels[idx], np.zeros(len(idx), np.int64)
+
+    def val_rows(self, idx):
+        return digits.split("val", self.eval_res)[0][idx], 0
+
+    def val_kind(self) -> str:
+        return DIGITS
+
+
+class Format(NamedTuple):
+    """A dataset format: whether a ``--data`` path is one, and its (train, val) splits — each
+    with ``classes``, ``labels``, ``len()``, ``image(i)`` (PIL, or None when it does not decode)
+    and ``encoded(i)`` (the file's bytes)."""
+
+    holds: Callable[[str], bool]
+    splits: Callable[[str], tuple]
+
+
+# the first whose ``holds`` accepts the path
+FORMATS = {"packed": Format(packed.is_packed, packed.open_splits),
+           "folder": Format(os.path.isdir, folder.scan_both)}
+
+
+# --loader NAME: the module of the loader, imported when chosen. Each has ``make(splits, S,
+# threads, E) -> Source`` (threads: its own, where it runs them) and ``unavailable() -> str |
+# None`` (why it cannot run here)
+LOADERS = {"pillow": "twinstep.data.pillow", "dali": "twinstep.data.dali"}
+DEFAULT_LOADER = "pillow"  # the digits are arrays: only the default reads them
+
+
+def check(data: str, loader: str) -> None:
+    """UsageError (one line) unless ``data`` is the digits or a path of one of `FORMATS`, and
+    ``loader`` can read it here."""
+    if data != DIGITS:
+        _format(data)
+    if loader not in LOADERS:
+        raise UsageError(f"unknown --loader {loader!r}; choose from {', '.join(LOADERS)}")
+    if data == DIGITS and loader != DEFAULT_LOADER:
+        raise UsageError(f"--loader {loader} decodes images: give --data an image folder or a "
+                         f"packed one (the digits are arrays already)")
+    if (why := _loader(loader).unavailable()) is not None:
+        raise UsageError(why)
+
+
+def _loader(name: str):
+    return importlib.import_module(LOADERS[name])
+
+
+def _format(data: str) -> Format:
+    found = next((f for f in FORMATS.values() if f.holds(data)), None)
+    if found is None:
+        raise UsageError(f"--data {data}: no such directory (or 'digits', the embedded set)")
+    return found
+
+
+def train_size(data: str) -> int:
+    """How many training images ``data`` holds (a folder is scanned)."""
+    if data == DIGITS:
+        return len(digits.labels("train"))
+    return len(_format(data).splits(data)[0])
+
+
+def get_source(data: str, res: int, loader: str = "pillow", threads: int = 0,
+               eval_res: int | None = None) -> Source:
+    """``data`` — "digits", or a path in one of `FORMATS` — read by ``loader`` (`LOADERS`) on
+    ``threads`` threads where it has its own (DALI; Pillow's workers are the stream's
+    processes): train crops at ``res``, val crops at ``eval_res`` (default ``res``)."""
+    check(data, loader)
+    if data == DIGITS:
+        return Digits(res, eval_res)
+    return _loader(loader).make(_format(data).splits(data), res, threads, eval_res)
