@@ -279,8 +279,9 @@ def test_a_render_ties_across_processes_and_a_broken_one_fails_there(tmp_path):
     """`tie --render` under the launcher: the render's R = 4 over 2 processes x 2 devices
     against the single device (f64, every state tensor after each of two steps); the
     wrong-divisor render, tied the same way, is NOT tied — the control of the one-process
-    `tie --render` too (tests/test_render.py). (The render's placement and the whole-step tie's
-    across processes, which `tie --recipe` and `train --artifact` share.)"""
+    `tie --render` too (tests/test_render.py) — and both processes exit 1, the one that
+    compares nothing with the other's verdict. (The render's placement and the whole-step
+    tie's across processes, which `tie --recipe` and `train --artifact` share.)"""
     name = "mnv4in_adamdp1"
     fast = ["--fast-compile"] if "mnv4" in FAST_COMPILE_NETS else []
     good = _rendered(tmp_path / "good", name)
@@ -288,10 +289,21 @@ def test_a_render_ties_across_processes_and_a_broken_one_fails_there(tmp_path):
                           capture_output=True, text=True, timeout=WAIT_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr
     assert "[0] tied over 2 steps: 856/856 state tensors" in done.stdout
+    # the broken render's processes started as the launcher starts them, each one's own exit
+    # status read: process 1, which runs no single device and compares nothing, exits 1 too
+    # (process 0's verdict, handed over), where the launcher would only show the first failure
     bad = _rendered(tmp_path / "bad", name, "wrong-divisor")
-    broken = subprocess.run(_launch("tie", "--render", bad, "--steps", "1", *fast),
-                            capture_output=True, text=True, timeout=WAIT_S)
-    assert broken.returncode == 1 and "[0] NOT tied" in broken.stdout, broken.stderr
+    outs = [tmp_path / f"broken-{i}.out" for i in (0, 1)]
+    procs = []
+    for (argv, env), out in zip(launcher.commands(2, ["tie", "--render", bad, "--steps", "1",
+                                                      *fast], launcher.free_port()), outs,
+                                strict=True):
+        with open(out, "w") as f:
+            procs.append(subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT))
+    statuses = [p.wait(timeout=WAIT_S) for p in procs]
+    said = [out.read_text() for out in outs]
+    assert statuses == [1, 1], (statuses, said[0][-2000:], said[1][-2000:])
+    assert "NOT tied" in said[0] and "NOT tied" not in said[1], said
 
 
 @pytest.mark.slow
