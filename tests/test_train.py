@@ -424,20 +424,23 @@ def test_a_stalled_run_ends_in_one_line_and_a_compile_is_not_a_stall(tmp_path):
     """The watchdog (--stall-timeout 5): a loader worker frozen (SIGSTOP) mid-run stalls the
     loop, and the run ends within the limit and a beat (< 20 s) — exit 3, one line naming the
     last step — leaving neither the worker nor shared memory behind. Before that, the same run
-    is the control: its first step compiles for far over 5 s and the watchdog, armed only after
-    it, lets it be (else the run would end before its third metrics line)."""
+    is the control: its first evaluation (step 2) compiles for over 5 s — in a compilation cache
+    of its own, so it compiles — and the watchdog, paused for it, lets it be (else the run
+    would end before the evaluation's line and step 3's)."""
     from twinstep.data import workers
 
     argv = [sys.executable, "-m", "twinstep.cli", "train", RECIPE, "--data", "digits",
             "--replicas", "2", "--res", "32", "--steps", "400", "--log-every", "1",
-            "--ckpt-every", "400", "--eval-every", "400", "--workers", "1",
+            "--ckpt-every", "400", "--eval-every", "2", "--workers", "1",
             "--stall-timeout", "5", *(["--fast-compile"] if "mnv4" in FAST_COMPILE_NETS else [])]
     proc = subprocess.Popen([*argv, "--out", str(tmp_path / "stalled")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "c")})
     log, deadline = tmp_path / "stalled" / "metrics.jsonl", time.monotonic() + 900
-    while not log.exists() or len(log.read_text().splitlines()) < 3:
+    while not log.exists() or len(log.read_text().splitlines()) < 4:  # 1, 2, eval, 3
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
         time.sleep(0.05)
+    assert '"eval"' in log.read_text().splitlines()[2]
     worker = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent(pid)
                   == proc.pid and b"spawn_main" in _cmdline(pid))  # not its resource tracker
     os.kill(worker, signal.SIGSTOP)
