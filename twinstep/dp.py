@@ -68,7 +68,7 @@ def place(tree, specs, count: int):
     # copied, never aliased with ``tree``'s buffers: a program may donate the placed tree
     # (device_put(may_alias=False) still hands the first device the original buffer, jax
     # 0.10.2). One program copies the whole tree: a copy per leaf is a program per shape, each
-    # loaded from the compilation cache at every start (~100 of them, 4 s of a run's start).
+    # loaded from the compilation cache at every start.
     return jax.jit(_copied, out_shardings=where)(tree)
 
 

@@ -139,7 +139,7 @@ def train_size(data: str) -> int:
     return len(_format(data).splits(data)[0])
 
 
-def get_source(data: str, res: int, loader: str = "pillow", threads: int = 0,
+def get_source(data: str, res: int, loader: str = DEFAULT_LOADER, threads: int = 0,
                eval_res: int | None = None) -> Source:
     """``data`` — "digits", or a path in one of `FORMATS` — read by ``loader`` (`LOADERS`) on
     ``threads`` threads where it has its own (DALI; Pillow's workers are the stream's

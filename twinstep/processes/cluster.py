@@ -217,11 +217,8 @@ def barrier(name: str) -> None:
     collective over gloo, given up after 30 s — waits as long as a slower process needs."""
     if count() == 1:
         return
-    from jax._src import distributed  # the runtime's client: no public barrier with a timeout
-
-    _barriers[name] = _barriers.get(name, 0) + 1
-    distributed.global_state.client.wait_at_barrier(f"twinstep/{name}/{_barriers[name]}",
-                                                    BARRIER_TIMEOUT_S * 1000)
+    client, key = _meeting(name)
+    client.wait_at_barrier(key, BARRIER_TIMEOUT_S * 1000)
 
 
 def from_primary(name: str, value: str | None) -> str:
@@ -229,18 +226,22 @@ def from_primary(name: str, value: str | None) -> str:
     runtime's key-value store, waited for as long as `barrier` waits."""
     if count() == 1:
         return value
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    _barriers[name] = _barriers.get(name, 0) + 1
-    key = f"twinstep/{name}/{_barriers[name]}"
+    client, key = _meeting(name)
     if is_primary():
         client.key_value_set(key, value)
         return value
     return client.blocking_key_value_get(key, BARRIER_TIMEOUT_S * 1000)
 
 
-_barriers: dict[str, int] = {}  # how often each barrier was met: each meeting has its own id
+def _meeting(name: str) -> tuple:
+    """(the runtime's client, the key of this meeting of ``name``: each has its own)."""
+    from jax._src import distributed  # the runtime's client: no public barrier with a timeout
+
+    _barriers[name] = _barriers.get(name, 0) + 1
+    return distributed.global_state.client, f"twinstep/{name}/{_barriers[name]}"
+
+
+_barriers: dict[str, int] = {}  # how often each barrier or handover was met
 _compiled: dict = {}
 
 
