@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The GPU check, one script in three parts: `step`, twinstep's bf16 train step of each net at
+# The GPU check, one script in four parts: `step`, twinstep's bf16 train step of each net at
 # 224² on one device (img/s, MFU; bench/gpu_step.py); `hlo`, whether XLA kept the bf16
 # convolutions bf16 (bench/gpu_bf16_hlo.py); `train`, `twinstep train` end to end on generated
-# JPEGs and their packed copy through Pillow and DALI (img/s, data vs step; bench/gpu_train.py).
-# Needs no network.
+# JPEGs and their packed copy through Pillow and DALI (img/s, data vs step; bench/gpu_train.py);
+# `feed`, the device loader (`--loader device`): its host's and its GPU's shares alone
+# (bench/gpu_feed.py), then ResNet-50 trained through it and through Pillow with RandAugment m9
+# (bench/gpu_train.py). Needs no network.
 #
-#   bash bench/gpu.sh [step] [hlo] [train]      # default: all three; from the repository root
+#   bash bench/gpu.sh [step] [hlo] [train]      # default: these three; from the repository root
 #   NETS=mnv4 bash bench/gpu.sh step hlo        # one net
+#   bash bench/gpu.sh feed                      # about 8 minutes on its own
 #
-# Each part has a time limit (step 360 s, hlo 150 s, train 300 s). Seen on one H200 (2026-12-04,
+# Each part has a time limit (step 360 s, hlo 150 s, train 300 s, feed 200 + 300 s). Seen on one H200 (2026-12-04,
 # bench/RESULTS.md#gpu): step, ResNet-50 86 s, MobileNetV4 over 190 s (cut there; its autotuned
 # compile at batch 256 alone took 81 s); hlo, ResNet-50 about 35 s, MobileNetV4 over 25 s (cut);
 # train, 33 s writing the JPEGs, then ResNet-50's two Pillow paths in about 150 s. All of it
@@ -25,7 +28,11 @@
 #     manylinux_2_28_x86_64 -d .wheels grain==0.2.18 array_record==0.8.6 portpicker \
 #     tensorboardX==2.6.5 optax==0.2.8 orbax-checkpoint==0.12.8
 # DALI: the [dali] extra when it installs (from ./.wheels, else the index); without it the
-# train timing runs the Pillow paths only.
+# train timing runs the Pillow paths only. nvImageCodec (feed): the machine's, else a wheel in
+# ./.wheels (25 MB; its CPU decoder needs no CUDA library; the GPU decoder needs nvJPEG):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform \
+#     manylinux_2_28_x86_64 -d .wheels 'nvidia-nvimgcodec-cu13>=0.9,<0.10'
+# Its CPU twin: `python bench/gpu_feed.py --res 64 --batch 32 --images 64 --workers 2` here.
 # Results: bench/gpu_step.json, bench/gpu_train.json (and the optimized HLO in bench/hlo/), or
 # under $OUT/ when $OUT
 # is set; their numbers (img/s and MFU per net, the bf16 check's verdict) belong under the
@@ -34,8 +41,8 @@
 set -u
 parts=" ${*:-step hlo train} "
 for part in $parts; do
-    case $part in step | hlo | train) ;; *) echo "gpu.sh: no part '$part' (step, hlo, train)" >&2
-        exit 2 ;; esac
+    case $part in step | hlo | train | feed) ;;
+        *) echo "gpu.sh: no part '$part' (step, hlo, train, feed)" >&2; exit 2 ;; esac
 done
 # shellcheck disable=SC2206 # the nets are words
 nets=(${NETS:-resnet50 mnv4})
@@ -100,7 +107,26 @@ if [[ $parts == *" train "* ]]; then
         --paths $paths
     train=$?
 fi
-echo "gpu.sh:${parts}: gpu_step exit $step, gpu_bf16_hlo exit $bf16, gpu_train exit $train"
-[ "$step" -eq 0 ] && [ "$bf16" -eq 0 ] && [ "$train" -eq 0 ] && exit 0
+feed=0
+if [[ $parts == *" feed "* ]]; then
+    if ! "$PY" -c 'import nvidia.nvimgcodec' 2>/dev/null && [ -d .wheels ]; then
+        site=${site:-$(mktemp -d)}
+        # shellcheck disable=SC2046 # the wheels are words
+        "$PY" -m pip install -q --no-index --no-deps --target "$site" \
+            $(find .wheels -name 'nvidia_nvimgcodec*.whl') && export PYTHONPATH=$PYTHONPATH:$site
+    fi
+    if "$PY" -c 'import nvidia.nvimgcodec' 2>/dev/null; then
+        timeout 200 "$PY" bench/gpu_feed.py --json "$out/gpu_feed.json"
+        feed=$?
+        timeout 300 "$PY" bench/gpu_train.py --nets resnet50 --paths device pillow \
+            --randaugment 9 --json "$out/gpu_train_feed.json" || feed=3
+    else
+        echo "gpu.sh: nvImageCodec does not import here: no feed timing" >&2
+        feed=3
+    fi
+fi
+echo "gpu.sh:${parts}: gpu_step exit $step, gpu_bf16_hlo exit $bf16, gpu_train exit $train," \
+    "feed exit $feed"
+[ "$step" -eq 0 ] && [ "$bf16" -eq 0 ] && [ "$train" -eq 0 ] && [ "$feed" -eq 0 ] && exit 0
 [ "$bf16" -eq 1 ] && exit 1
 exit 3

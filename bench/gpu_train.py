@@ -3,8 +3,10 @@ data path, and where the time goes.
 
 A folder of generated 500 x 375 JPEGs (bench/loader.py's, ImageNet-sized) and its packed copy
 (`twinstep pack`) are trained on at --res with the recipe ``<net>in_adamdp<N>bf16`` (bf16
-convolutions, as bench/gpu_step.py), through four data paths: Pillow from the folder, Pillow
-from the packed copy, DALI from each (`--loader dali`: its GPU decoder when JAX has a GPU).
+convolutions, as bench/gpu_step.py), with --randaugment M when given, through six data paths:
+Pillow from the folder and from the packed copy, the device loader from each (`--loader
+device`: the resize and RandAugment on the GPU), DALI from each (`--loader dali`: its GPU
+decoder when JAX has a GPU).
 For each, three rates:
 
   data    the loader alone (`twinstep.data.loader.train_stream`, no device): what it delivers
@@ -40,17 +42,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loader import write_folder  # noqa: E402
 
 PATHS = {"pillow": ("pillow", False), "pillow-packed": ("pillow", True),
+         "device": ("device", False), "device-packed": ("device", True),
          "dali": ("dali", False), "dali-packed": ("dali", True)}  # name: (loader, packed)
 
 
-def data_rate(data: str, kind: str, recipe: str, res: int, workers: int, steps: int) -> float:
+def data_rate(data: str, kind: str, recipe: str, res: int, workers: int, steps: int,
+              randaugment: int | None = None) -> float:
     """img/s of the loader alone over its last quarter of batches, with the recipe's
-    augmentation: by then its workers have started and drained what they built ahead."""
+    augmentation: by then its workers have started and drained what they built ahead. The
+    device loader's is its host share (its devices' share: bench/gpu_feed.py)."""
     from twinstep import recipes
     from twinstep.data import loader, mix, sources
 
     r = recipes.parse(recipe)
-    augment = sources.Augment(r.randaugment, mix.MixParams(r.mixup, r.cutmix)
+    augment = sources.Augment(randaugment, mix.MixParams(r.mixup, r.cutmix)
                              if r.mixup or r.cutmix else None)
     src = sources.get_source(data, res, kind, workers)
     stream = loader.train_stream(src, augment, 0, 0, steps, r.accum, r.batch, workers)
@@ -61,7 +66,7 @@ def data_rate(data: str, kind: str, recipe: str, res: int, workers: int, steps: 
 
 
 def train_rate(data: str, kind: str, recipe: str, res: int, workers: int, steps: int,
-               out: str) -> float:
+               out: str, randaugment: int | None = None) -> float:
     """img/s of `twinstep train` over its last quarter of steps. Its loader builds
     ``workers`` x PREFETCH batches ahead while the first step compiles, so a rate from the first
     step (the metrics' img/s) counts those as free; the last quarter's does not (``steps`` is
@@ -70,7 +75,7 @@ def train_rate(data: str, kind: str, recipe: str, res: int, workers: int, steps:
     from twinstep import recipes
 
     twinstep.train(recipe, out, data=data, loader=kind, res=res, steps=steps, workers=workers,
-                   precision="bf16", eval_every=steps, ckpt_every=steps,
+                   randaugment=randaugment, precision="bf16", eval_every=steps, ckpt_every=steps,
                    log_every=max(steps // 4, 1))
     with open(os.path.join(out, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f if '"eval"' not in line]
@@ -89,6 +94,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=160)
     p.add_argument("--images", type=int, default=1024, help="JPEGs per split")
+    p.add_argument("--randaugment", type=int, metavar="M",
+                   help="RandAugment rand-mM-mstd0.5-inc1 (default: none, as the recipe)")
     p.add_argument("--workers", type=int, default=os.cpu_count(),
                    help="loader processes, or DALI's threads (default: every core)")
     p.add_argument("--json", default=str(Path(__file__).with_name("gpu_train.json")))
@@ -115,9 +122,11 @@ def main() -> int:
                 kind, from_packed = PATHS[name]
                 data = packed if from_packed else folder
                 try:
-                    fed = data_rate(data, kind, recipe, args.res, args.workers, args.steps)
+                    fed = data_rate(data, kind, recipe, args.res, args.workers, args.steps,
+                                    args.randaugment)
                     trained = train_rate(data, kind, recipe, args.res, args.workers,
-                                         args.steps, os.path.join(tmp, f"{net}-{name}"))
+                                         args.steps, os.path.join(tmp, f"{net}-{name}"),
+                                         args.randaugment)
                 except Exception as e:  # one path's failure leaves the others' rows
                     print(f"{net:9s} {name:13s} FAILED: {type(e).__name__}: {str(e)[:2000]}",
                           flush=True)

@@ -7,6 +7,9 @@ delivered as mixed training batches, by worker count, with and without RandAugme
             itself run on the devices, beside the step; 0 workers is one background thread
   packed    the same from the folder's packed copy (`twinstep pack`: short side <= 320, q90,
             ArrayRecord shards)
+  device    `--loader device`: the same draws; nvImageCodec decodes only the crop, and the
+            resize and RandAugment are left to the devices (a plan per row), so this is the
+            host's share alone; "device packed" from the copy
   dali      `--loader dali`: the same draws, decoded (only the crop) and augmented by DALI's
             CPU operators on max(workers, 1) threads of its own; "dali packed" from the copy
   timm      `timm.data.create_loader` (a torch DataLoader, its worker processes) over the same
@@ -77,6 +80,10 @@ def twinstep_batches(root: str, workers: int, randaugment: bool, steps: int,
 
 def dali_batches(root: str, workers: int, randaugment: bool, steps: int):
     return twinstep_batches(root, workers, randaugment, steps, "dali")
+
+
+def device_batches(root: str, workers: int, randaugment: bool, steps: int):
+    return twinstep_batches(root, workers, randaugment, steps, "device")
 
 
 def timm_batches(root: str, workers: int, randaugment: bool, steps: int):
@@ -151,6 +158,7 @@ def main() -> None:
                 f"batch)")
     # name: (batches, reads the packed copy)
     peers = {"twinstep": (twinstep_batches, False), "packed": (twinstep_batches, True),
+             "device": (device_batches, False), "device packed": (device_batches, True),
              "dali": (dali_batches, False), "dali packed": (dali_batches, True),
              "timm": (timm_batches, False)}
     cases = [(ra, w) for ra in (True, False) for w in args.workers]
@@ -174,8 +182,9 @@ def main() -> None:
             load.append(machine_load())
     med = {key: statistics.median(v) for key, v in rates.items()}
     lines = ["| RandAugment | workers | " + " | ".join(f"{p} img/s" for p in peers)
-             + " | twinstep / timm | packed / twinstep | dali / twinstep | twinstep vs its 1 "
-             "worker |", "|---|---|" + "---|" * (len(peers) + 4)]
+             + " | twinstep / timm | packed / twinstep | device / twinstep | device / timm | "
+             "dali / twinstep | twinstep vs its 1 worker |",
+             "|---|---|" + "---|" * (len(peers) + 6)]
     for ra, w in cases:
         got = {p: med[p, ra, w] for p in peers}
         one = med.get(("twinstep", ra, 1))
@@ -184,6 +193,8 @@ def main() -> None:
                      + " | ".join(f"{got[p]:.0f}" for p in peers)
                      + f" | **{got['twinstep'] / got['timm']:.2f}** | "
                      f"**{got['packed'] / got['twinstep']:.2f}** | "
+                     f"**{got['device'] / got['twinstep']:.2f}** | "
+                     f"**{got['device'] / got['timm']:.2f}** | "
                      f"**{got['dali'] / got['twinstep']:.2f}** | "
                      f"{scaling} |")
     lines += ["", f"Cores to feed {GOAL:,} img/s (the best img/s per core of each path above; "

@@ -78,7 +78,9 @@ def loop_overhead(args) -> str:
             b = loader.train_batch(src, sources.Augment(), 0, 0, recipe.accum, tc.rows)
             xs, ts = program.prepare_program(src.classes, tc.precision, args.replicas)(
                 *jax.device_put((b.xs, b.labels), jax.sharding.NamedSharding(
-                    dp.mesh(args.replicas), dp.MICRO_BATCH)), b.mix, b.box)
+                    dp.mesh(args.replicas), dp.MICRO_BATCH)), b.mix, b.box,
+                jax.device_put(b.plan, jax.sharding.NamedSharding(
+                    dp.mesh(args.replicas), dp.MICRO_BATCH)))
             key = jax.random.key(0)
             state, m = prog.step(state, xs, ts, key)
             jax.block_until_ready(state)

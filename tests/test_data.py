@@ -118,7 +118,7 @@ def test_an_image_that_does_not_decode_is_replaced_by_the_next_and_counted(tree)
     with open(split.paths[1], "wb") as f:
         f.write(data[:len(data) // 2])  # a truncated JPEG
     src = sources.get_source(tree, 16)
-    x, labels, skipped = src.train_rows(np.array([0, 5]), 0, 0, np.arange(2), sources.Augment())
+    x, labels, skipped, _ = src.train_rows(np.array([0, 5]), 0, 0, np.arange(2), sources.Augment())
     assert skipped.tolist() == [2, 0] and x.shape == (2, 16, 16, 3)
     assert labels.tolist() == [split.labels[2], split.labels[5]]  # image 2 stood in for 0
     for path in split.paths:

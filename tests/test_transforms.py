@@ -430,9 +430,10 @@ def test_the_devices_normalise_and_mix_as_the_host_does():
     def on_devices(lam, box, prepare=one):
         coeffs = np.array([[np.float32(lam), np.float32(1.0 - lam)]] * 2, np.float32)
         boxes = np.array([box or (0, 0, 0, 0)] * 2, np.int32)
-        args = (u8, labels, coeffs, boxes)
+        args = (u8, labels, coeffs, boxes, np.zeros((2, B, 0), np.int32))
         if prepare is two:
-            args = (*jax.device_put(args[:2], sharded), *args[2:])
+            args = (*jax.device_put(args[:2], sharded), *args[2:4],
+                    jax.device_put(args[4], sharded))
         return tuple(np.asarray(a) for a in prepare(*args))
 
     for lam, box in [(0.3, None), (0.8173, None), (1.0, None), *(

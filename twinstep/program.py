@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 
 from twinstep import dp, optim, step
 from twinstep.collectives import SINGLE
-from twinstep.data import transforms
+from twinstep.data import device_ops, transforms
 from twinstep.nets import Net, layers
 from twinstep.ops.precision import Precision, get_precision
 from twinstep.processes import cluster, settings
@@ -95,17 +95,25 @@ def network_input(x, dtype):
 
 
 def prepare_program(classes: int, precision: str | Precision, replicas: int = 1,
-                    fast_compile: bool = False):
+                    fast_compile: bool = False, layout=None):
     """The step's inputs from the host's batch, on the devices: (xs [k, R N, S, S, 3] uint8 or
-    float32, labels [k, R N], mix [k, 2], box [k, 4]) -> (xs, ts [k, R N, K]) in the
-    precision's dtype, xs and labels sharded by rows. Each micro-batch is mixed over its global
-    rows as `twinstep.data.mix.apply` mixes it: row i with row R N - 1 - i, the CutMix box
-    pasted when it is not empty, else λ x + (1 - λ) x' — where XLA fuses the two products into
-    one FMA, one rounding fewer than timm's float32 tensors (docs/training.md#augmentation) —;
-    the targets λ onehot(y) + (1 - λ) onehot(y') likewise."""
+    float32, labels [k, R N], mix [k, 2], box [k, 4], plan [k, R N, P]) -> (xs, ts [k, R N,
+    K]) in the precision's dtype, xs, labels and plans sharded by rows. With a ``layout``
+    (`twinstep.data.device.Layout`) xs are canvases [k, R N, C, C, 3] that each row's plan
+    resizes and augments first (`twinstep.data.device_ops.crops`). Each micro-batch is mixed
+    over its global rows as `twinstep.data.mix.apply` mixes it: row i with row R N - 1 - i,
+    the CutMix box pasted when it is not empty, else λ x + (1 - λ) x' — where XLA fuses the
+    two products into one FMA, one rounding fewer than timm's float32 tensors
+    (docs/training.md#augmentation) —; the targets λ onehot(y) + (1 - λ) onehot(y')
+    likewise."""
     dtype = get_precision(precision).dtype
 
-    def prepare(xs, labels, mix, box):
+    def prepare(xs, labels, mix, box, plan):
+        if layout is not None:
+            k, n = xs.shape[:2]
+            xs = device_ops.crops(xs.reshape(k * n, *xs.shape[2:]), plan.reshape(k * n, -1),
+                                  layout)
+            xs = xs.reshape(k, n, *xs.shape[1:])
         x = network_input(xs, jnp.float32)
         partner = x[:, ::-1]
         a, b = (mix[:, j, None, None, None, None] for j in (0, 1))
@@ -123,7 +131,7 @@ def prepare_program(classes: int, precision: str | Precision, replicas: int = 1,
     if replicas == 1:
         return dp.jit(prepare, fast_compile)
     r, s = dp.REPLICATED, dp.MICRO_BATCH
-    return dp.laid_out_jit(prepare, dp.mesh(replicas), (s, s, r, r), (s, s), fast_compile)
+    return dp.laid_out_jit(prepare, dp.mesh(replicas), (s, s, r, r, s), (s, s), fast_compile)
 
 
 class TrainProgram(NamedTuple):

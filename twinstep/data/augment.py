@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image, ImageEnhance, ImageOps
@@ -121,15 +122,24 @@ GEOMETRIC = frozenset({"Rotate", "ShearX", "ShearY", "TranslateXRel", "Translate
 _NAMES = tuple(OPS)  # timm's list order: the op index drawn below indexes it
 
 
-def rand_augment(img: Image.Image, rng: np.random.Generator, magnitude: int, size: int, *,
-                 layers: int = 2, mstd: float = 0.5, prob: float = 0.5,
-                 interpolation: Image.Resampling | None = None) -> Image.Image:
-    """One RandAugment draw on an RGB uint8 image (any H x W); returns an image of the same size.
+class Drawn(NamedTuple):
+    """One applied RandAugment op as drawn: the op, its level in [0, 10], its sign, its
+    resampling filter (geometric ops; None otherwise)."""
+
+    name: str
+    level: float
+    sign: int
+    interpolation: Image.Resampling | None
+
+
+def draw(rng: np.random.Generator, magnitude: int, *, layers: int = 2, mstd: float = 0.5,
+         prob: float = 0.5, interpolation: Image.Resampling | None = None) -> list[Drawn]:
+    """One RandAugment draw: the ops that apply, in order (0 to ``layers`` of them).
 
     Draws, in timm's order: the ``layers`` op indices; then per op: apply-or-not, the magnitude,
     the sign (signed ops only), the resampling filter (geometric ops, unless ``interpolation``).
     """
-    hp = AugmentParams.from_size(size, interpolation)
+    drawn = []
     for i in rng.integers(0, len(_NAMES), size=layers):
         name = _NAMES[i]
         if prob < 1.0 and rng.random() > prob:
@@ -141,10 +151,24 @@ def rand_augment(img: Image.Image, rng: np.random.Generator, magnitude: int, siz
             level = rng.normal(level, mstd)
         level = max(0.0, min(level, MAX_LEVEL))
         sign = -1 if name in SIGNED and rng.random() > 0.5 else 1
-        op_hp = hp
-        if name in GEOMETRIC and interpolation is None:
-            op_hp = dataclasses.replace(hp, interpolation=RANDOM_INTERPOLATION[rng.integers(2)])
-        img = OPS[name](img, level, sign, op_hp)
+        interp = None
+        if name in GEOMETRIC:
+            interp = (interpolation if interpolation is not None
+                      else RANDOM_INTERPOLATION[rng.integers(2)])
+        drawn.append(Drawn(name, level, sign, interp))
+    return drawn
+
+
+def rand_augment(img: Image.Image, rng: np.random.Generator, magnitude: int, size: int, *,
+                 layers: int = 2, mstd: float = 0.5, prob: float = 0.5,
+                 interpolation: Image.Resampling | None = None) -> Image.Image:
+    """One RandAugment draw (`draw`) applied to an RGB uint8 image (any H x W); returns an image
+    of the same size."""
+    hp = AugmentParams.from_size(size, interpolation)
+    for op in draw(rng, magnitude, layers=layers, mstd=mstd, prob=prob,
+                   interpolation=interpolation):
+        img = OPS[op.name](img, op.level, op.sign,
+                           dataclasses.replace(hp, interpolation=op.interpolation))
     return img
 
 

@@ -28,7 +28,7 @@ import warnings
 import numpy as np
 from PIL import Image
 
-from twinstep.data import folder, transforms
+from twinstep.data import folder, sources, transforms
 from twinstep.errors import UsageError
 
 RA_LAYERS = 2  # timm's rand-m*-n2: ops per image
@@ -243,7 +243,10 @@ class Dali:
             skipped.append(tried)
         pipe = self._pipe("train", len(idx), augment.randaugment is not None)
         return (self._run(pipe, feeds), np.asarray(labels, np.int32),
-                np.asarray(skipped, np.int64))
+                np.asarray(skipped, np.int64), sources.no_plans(len(idx)))
+
+    def layout(self, augment):
+        return None
 
     def val_kind(self) -> str:
         return folder.kind(self.val)

@@ -37,6 +37,8 @@ class Batch(NamedTuple):
     labels: np.ndarray  # [k, rows] int32
     mix: np.ndarray  # [k, 2] float32: (λ, 1 - λ) of each micro-batch's mix, (1, 0) unmixed
     box: np.ndarray  # [k, 4] int32: its CutMix box (y_lo, y_hi, x_lo, x_hi), empty for a blend
+    plan: np.ndarray  # [k, rows, P] int32: the devices' work on each row (xs are canvases),
+    # P = 0 where xs are the crops (`twinstep.data.sources.Source.train_rows`)
     skipped: int  # images that did not decode, replaced by the next of their split
 
 
@@ -48,21 +50,27 @@ def train_batch(src: Source, augment: Augment, seed: int, step: int, micro: int,
     .local_rows`), each equal to its row of the whole batch."""
     idx = batches.indices(seed, step, micro * rows, len(src.train_labels)).reshape(micro, rows)
     own = np.arange(rows)[part if part is not None else slice(None)]
-    xs, labels, mixes, boxes, skipped = [], [], [], [], 0
+    xs, labels, mixes, boxes, plans, skipped = [], [], [], [], [], 0
     for m in range(micro):
-        x, y, sk = src.train_rows(idx[m][own], seed, step, m * rows + own, augment)
+        x, y, sk, plan = src.train_rows(idx[m][own], seed, step, m * rows + own, augment)
         lam, box = 1.0, None
         if augment.mix is not None:
             lam, box = mix.draw(np.random.default_rng([seed, step, 1, m]), augment.mix,
-                                x.shape[1], x.shape[2])
+                                src.res, src.res)
         xs.append(x)
         labels.append(y)
         # (λ, 1 - λ) rounded as timm's float32 tensors are scaled by a Python float
         mixes.append((np.float32(lam), np.float32(1.0 - lam)))
         boxes.append(box or (0, 0, 0, 0))
+        plans.append(plan)
         skipped += int(sk.sum())
-    return Batch(np.stack(xs), np.stack(labels), np.asarray(mixes, np.float32),
-                 np.asarray(boxes, np.int32), skipped)
+    return Batch(_stacked(xs), np.stack(labels), np.asarray(mixes, np.float32),
+                 np.asarray(boxes, np.int32), _stacked(plans), skipped)
+
+
+def _stacked(parts: list) -> np.ndarray:
+    """np.stack(parts), without copying a single part (a device loader's is 25 MB)."""
+    return parts[0][None] if len(parts) == 1 else np.stack(parts)
 
 
 def val_batch(src, rows: int, b: int,

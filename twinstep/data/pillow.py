@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from twinstep.data import folder, transforms
+from twinstep.data import folder, sources, transforms
 from twinstep.errors import UsageError
 
 
@@ -40,7 +40,11 @@ class Pillow:
             rows.append(transforms.train_transform(img, self.res, rng, augment.randaugment))
             labels.append(self.train.labels[used])
             skipped.append(tried)
-        return np.stack(rows), np.asarray(labels, np.int32), np.asarray(skipped, np.int64)
+        return (np.stack(rows), np.asarray(labels, np.int32), np.asarray(skipped, np.int64),
+                sources.no_plans(len(rows)))
+
+    def layout(self, augment):
+        return None
 
     def val_rows(self, idx):
         rows, skipped = [], 0

@@ -3,8 +3,9 @@ decoded by a loader — chosen once from ``--data`` and ``--loader`` (`get_sourc
 
 A dataset format is how its splits are opened (`FORMATS`: a packed folder, an ImageFolder
 tree); a loader is who decodes and augments their images (`LOADERS`: Pillow through timm's
-transforms, DALI). A new format or loader is a module of its own and one row of its table;
-the trainer, its evaluation and its loader processes see only `Source`.
+transforms; nvImageCodec with the resize and RandAugment on the devices; DALI). A new format
+or loader is a module of its own and one row of its table; the trainer, its evaluation and
+its loader processes see only `Source`.
 """
 
 from __future__ import annotations
@@ -47,11 +48,17 @@ class Source(Protocol):
     threads_are_workers: bool  # --workers W are its own threads: no loader processes
 
     def train_rows(self, idx: np.ndarray, seed: int, step: int, row_ids: np.ndarray,
-                   augment: Augment) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(images [n, S, S, 3] — uint8 crops, or float32 already normalised — labels [n]
-        int32, images skipped per row [n] int64) of dataset rows ``idx``, which are rows
-        ``row_ids`` of step ``step``'s batch. An image that does not decode is replaced by the
-        next one of its split and counted."""
+                   augment: Augment) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(images [n, S, S, 3] — uint8 crops, or float32 already normalised; a loader that
+        finishes its crops on the devices gives its canvases [n, C, C, 3] —, labels [n] int32,
+        images skipped per row [n] int64, plans [n, P] int32 of the devices' work, P = 0
+        where there is none) of dataset rows ``idx``, which are rows ``row_ids`` of step
+        ``step``'s batch. An image that does not decode is replaced by the next one of its
+        split and counted."""
+
+    def layout(self, augment: Augment):
+        """What a plan holds under ``augment`` (`twinstep.data.device.Layout`), None where the
+        rows are the crops."""
 
     def val_rows(self, idx: np.ndarray) -> tuple[np.ndarray, int]:
         """(images [n, E, E, 3], images skipped) of val rows ``idx``."""
@@ -60,6 +67,11 @@ class Source(Protocol):
         """What kind of val split this is, for pairing runs image by image
         (`twinstep.training.evaluation.val_fingerprint`): a folder and its packed copy share
         it."""
+
+
+def no_plans(n: int) -> np.ndarray:
+    """The plans [n, 0] of rows that are their crops already."""
+    return np.zeros((n, 0), np.int32)
 
 
 class Digits:
@@ -77,7 +89,10 @@ class Digits:
 
     def train_rows(self, idx, seed, step, row_ids, augment):
         images, labels = digits.split("train", self.res)
-        return images[idx], labels[idx], np.zeros(len(idx), np.int64)
+        return images[idx], labels[idx], np.zeros(len(idx), np.int64), no_plans(len(idx))
+
+    def layout(self, augment):
+        return None
 
     def val_rows(self, idx):
         return digits.split("val", self.eval_res)[0][idx], 0
@@ -103,7 +118,8 @@ FORMATS = {"packed": Format(packed.is_packed, packed.open_splits),
 # --loader NAME: the module of the loader, imported when chosen. Each has ``make(splits, S,
 # threads, E) -> Source`` (threads: its own, where it runs them) and ``unavailable() -> str |
 # None`` (why it cannot run here)
-LOADERS = {"pillow": "twinstep.data.pillow", "dali": "twinstep.data.dali"}
+LOADERS = {"pillow": "twinstep.data.pillow", "device": "twinstep.data.device",
+           "dali": "twinstep.data.dali"}
 DEFAULT_LOADER = "pillow"  # the digits are arrays: only the default reads them
 
 

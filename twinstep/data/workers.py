@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import math
+import mmap
 import multiprocessing
 import os
 import queue
 import secrets
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
 from twinstep.errors import UsageError
 
 BLOCK_PREFIX = "twinstep"  # shared memory blocks are named twinstep<pid>_<stream>_<item>_<part>
+SHM = "/dev/shm"  # where POSIX shared memory blocks are files (Linux)
 POLL_S = 1.0  # how often a waiting process checks that the other side is still alive
 STOP_S = 10.0  # how long a worker told to stop may take to finish the item it builds
 
@@ -117,24 +120,50 @@ def _drain(done) -> None:
 
 
 def _take(part):
-    """A part of an item as the parent receives it: an array copied out of its shared memory
-    block (the block freed), anything else as it came."""
+    """A part of an item as the parent receives it: an array over its shared memory block,
+    mapped, not copied (a device loader's batch is 25 MB) — the block's name is removed at once,
+    its memory goes with the array —, anything else as it came."""
     if not (isinstance(part, tuple) and part and part[0] == "shm"):
         return part
     _, name, shape, dtype = part
-    block = shared_memory.SharedMemory(name=name)
-    try:
-        return np.array(np.ndarray(shape, np.dtype(dtype), block.buf))
-    finally:
-        block.close()
-        block.unlink()
+    path = os.path.join(SHM, name)
+    with open(path, "r+b") as f:
+        mapped = mmap.mmap(f.fileno(), 0)
+    os.unlink(path)
+    resource_tracker.unregister(f"/{name}", "shared_memory")  # as SharedMemory.unlink does
+    return np.frombuffer(mapped, np.dtype(dtype), count=math.prod(shape)).reshape(shape)
+
+
+# in a worker: the item it builds (its blocks' prefix), and the blocks `shared_zeros` made
+# for it, by their arrays' address
+_building: list = []
+_made: dict = {}
+
+
+def shared_zeros(shape: tuple, dtype) -> np.ndarray:
+    """np.zeros(shape, dtype) — in a worker, in a shared memory block of its own, so that an
+    item's large array (a device loader's canvases) reaches the parent without a copy."""
+    if not _building:
+        return np.zeros(shape, dtype)
+    prefix = _building[0]
+    name = f"{prefix}z{len(_made)}"
+    dtype = np.dtype(dtype)
+    block = shared_memory.SharedMemory(name=name, create=True,
+                                       size=max(math.prod(shape) * dtype.itemsize, 1))
+    array = np.ndarray(shape, dtype, block.buf)  # a new block is zeros
+    _made[array.ctypes.data] = block
+    return array
 
 
 def _send(part, name: str):
     """A part of an item as a worker sends it: an array into a shared memory block ``name`` of
-    its own (by name), anything else as it is."""
+    its own (by name) — or the block it is in already (`shared_zeros`) —, anything else as it
+    is."""
     if not isinstance(part, np.ndarray):
         return part
+    own = _made.get(part.ctypes.data)
+    if own is not None and part.flags.c_contiguous and part.nbytes == own.size:
+        return "shm", own.name, part.shape, part.dtype.str
     block = shared_memory.SharedMemory(name=name, create=True, size=max(part.nbytes, 1))
     try:
         np.ndarray(part.shape, part.dtype, block.buf)[...] = part
@@ -155,9 +184,24 @@ def _work(make, tasks, done, parent: int, prefix: str) -> None:
             continue
         if i is None:
             return
+        _building[:] = [f"{prefix}{i}_"]
         try:
-            done.put((i, [_send(part, f"{prefix}{i}_{k}") for k, part in enumerate(make(i))]))
+            sent = [_send(part, f"{prefix}{i}_{k}") for k, part in enumerate(make(i))]
         except UsageError as e:  # bad input: the parent refuses it as its own
-            done.put((i, e))
+            sent = e
         except Exception as e:  # noqa: BLE001 - the parent re-raises it, in one line
-            done.put((i, f"loader worker, item {i}: {type(e).__name__}: {e}"))
+            sent = f"loader worker, item {i}: {type(e).__name__}: {e}"
+        _release(unlink=not isinstance(sent, list))
+        done.put((i, sent))
+
+
+def _release(unlink: bool) -> None:
+    """Let go of the blocks `shared_zeros` made for the item just built (the parent frees a
+    sent one; one never sent is freed here)."""
+    _building.clear()
+    for block in _made.values():
+        with contextlib.suppress(BufferError):  # an array still over it: unmapped with it
+            block.close()
+        if unlink:
+            block.unlink()
+    _made.clear()

@@ -57,7 +57,9 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     prog = program.train_program(net, recipe, src.classes, cfg.replicas, cfg.precision,
                                  control=cfg.control, fast_compile=cfg.fast_compile)
     eval_fn = program.eval_program(net, cfg.precision, cfg.fast_compile)
-    prepare = program.prepare_program(src.classes, cfg.precision, cfg.replicas, cfg.fast_compile)
+    augment = _augment(src, recipe)
+    prepare = program.prepare_program(src.classes, cfg.precision, cfg.replicas, cfg.fast_compile,
+                                      src.layout(augment))
     # the step: a render's, or compiled now, before the state and data exist (the run's peak)
     prog = (_render_program if cfg.artifact else _compiled_step)(cfg, prog, src.classes)
 
@@ -71,7 +73,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     # to them while a step runs, and the metrics are read back at the next boundary, which
     # stops at the first non-finite loss before anything of it is written.
     per_step = cfg.rows * recipe.accum  # images per optimizer step
-    stream = loader.train_stream(src, _augment(src, recipe), cfg.seed, start, cfg.steps,
+    stream = loader.train_stream(src, augment, cfg.seed, start, cfg.steps,
                                  recipe.accum, cfg.rows, cfg.workers, cluster.local_rows(cfg.rows))
     say = progress if progress and cluster.is_primary() else (lambda step, metrics: None)
     warn = warn or (lambda text: None)
@@ -145,8 +147,8 @@ def _read_back(pending: list, checkpoints: Checkpoints) -> float:
 
 
 def _ahead(stream, cfg: TrainConfig):
-    """The stream's batches (`twinstep.data.loader.Batch`) as ((xs, labels, mix, box) on the
-    replicas, images skipped), each put one step before it runs: batch s + 1 while step s
+    """The stream's batches (`twinstep.data.loader.Batch`) as ((xs, labels, mix, box, plan) on
+    the replicas, images skipped), each put one step before it runs: batch s + 1 while step s
     runs. With several processes each puts its own rows into the global batch."""
     rows, everywhere = _batch_sharding(cfg)
 
@@ -156,8 +158,9 @@ def _ahead(stream, cfg: TrainConfig):
         return jax.device_put(a, rows)
 
     placed = None
-    for xs, labels, mix, box, skipped in stream:  # a Batch (a plain tuple from the workers)
-        ahead = (place(xs), place(labels), *cluster.placed((mix, box), everywhere)), skipped
+    for xs, labels, mix, box, plan, skipped in stream:  # a Batch (a plain tuple from workers)
+        ahead = (place(xs), place(labels), *cluster.placed((mix, box), everywhere),
+                 place(plan)), skipped
         if placed is not None:
             yield placed
         placed = ahead

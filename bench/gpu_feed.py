@@ -1,0 +1,147 @@
+"""The device loader's feed (`--loader device`) on one device, part by part: images per second
+of the host's share and of the devices' share, each alone, beside the Pillow path's host rate.
+
+A folder of generated 500 x 375 JPEGs (bench/loader.py's) and its packed copy, at --res with
+RandAugment m9 and mixup / CutMix:
+
+  decode        nvImageCodec alone, whole images: on one CPU core (libjpeg-turbo); on the GPU
+                in batches (nvJPEG) when JAX has one
+  host          the device loader's host share (`twinstep.data.loader.train_stream`: header,
+                draws, region decode, plans) on --workers processes; "host packed" from the
+                copy; "pillow" the Pillow path's whole transform, for scale
+  devices       the prepare program with the device loader's plan (resize, RandAugment,
+                normalise, mix) on one device, batches of --batch; "devices, crops given" the
+                same program fed finished crops (the Pillow path's), so the difference is the
+                resize and RandAugment
+
+Writes JSON (--json). On a machine without a GPU it runs too, as its CPU twin (small --res and
+--batch): there the devices are the same cores as the host.
+
+    python bench/gpu_feed.py [--res 224] [--batch 256] [--images 1024] [--workers W]
+                             [--json bench/gpu_feed.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from loader import write_folder  # noqa: E402
+
+RANDAUGMENT, MIXUP, CUTMIX = 9, 0.2, 1.0
+
+
+def decode_rates(folder: str, gpu: bool) -> dict:
+    """img/s of nvImageCodec decoding whole JPEGs: one CPU core; batched on the GPU."""
+    from nvidia import nvimgcodec
+
+    from twinstep.data import folder as folders
+
+    split = folders.scan(folder, "train")
+    data = [split.encoded(i) for i in range(len(split))]
+    cpu = nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
+                             backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)])
+    out = {}
+    t0 = time.perf_counter()
+    for d in data:
+        cpu.decode(d).cpu()
+    out["decode_cpu_core"] = len(data) / (time.perf_counter() - t0)
+    if gpu:
+        import jax
+
+        decoder = nvimgcodec.Decoder(device_id=0)
+        streams = [nvimgcodec.CodeStream(d) for d in data]
+        jax.dlpack.from_dlpack(decoder.decode(streams[:8])[0]).block_until_ready()  # warm
+        t0 = time.perf_counter()
+        images = decoder.decode(streams)
+        jax.dlpack.from_dlpack(images[-1]).block_until_ready()
+        out["decode_gpu"] = len(data) / (time.perf_counter() - t0)
+    return out
+
+
+def host_rate(data: str, kind: str, res: int, batch: int, workers: int, steps: int) -> float:
+    """img/s of a loader's host share over its last half of batches."""
+    from twinstep.data import loader, mix, sources
+
+    src = sources.get_source(data, res, kind, workers)
+    augment = sources.Augment(RANDAUGMENT, mix.MixParams(MIXUP, CUTMIX))
+    stream = loader.train_stream(src, augment, 0, 0, steps, 1, batch, workers)
+    times = [time.perf_counter() for _ in stream]
+    stream.close()
+    half = steps // 2
+    return (steps - 1 - half) * batch / (times[-1] - times[half])
+
+
+def device_rates(data: str, res: int, batch: int, repeats: int) -> dict:
+    """img/s of the prepare program on one device: with the device loader's plan, and fed the
+    Pillow path's finished crops. Medians of ``repeats`` interleaved timings."""
+    import jax
+
+    from twinstep import program
+    from twinstep.data import loader, mix, sources
+
+    augment = sources.Augment(RANDAUGMENT, mix.MixParams(MIXUP, CUTMIX))
+    runs = {}
+    for name, kind in (("devices", "device"), ("devices, crops given", "pillow")):
+        src = sources.get_source(data, res, kind)
+        b = loader.train_batch(src, augment, 0, 0, 1, batch)
+        prepare = program.prepare_program(src.classes, "bf16", 1, layout=src.layout(augment))
+        args = jax.device_put((b.xs, b.labels, b.mix, b.box, b.plan))
+        jax.block_until_ready(prepare(*args))  # compiles
+        runs[name] = (prepare, args)
+    times: dict = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, (prepare, args) in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(prepare(*args))
+            times[name].append(time.perf_counter() - t0)
+    return {name: batch / statistics.median(t) for name, t in times.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--res", type=int, default=224)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--images", type=int, default=1024, help="JPEGs per split")
+    p.add_argument("--steps", type=int, default=12, help="batches per host measurement")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--workers", type=int, default=os.cpu_count(),
+                   help="loader processes (default: every core)")
+    p.add_argument("--json", default=str(Path(__file__).with_name("gpu_feed.json")))
+    args = p.parse_args()
+    import jax
+
+    from twinstep import api
+
+    gpu = jax.default_backend() == "gpu"
+    results = {"device": jax.devices()[0].device_kind, "res": args.res, "batch": args.batch,
+               "workers": args.workers, "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, packed = os.path.join(tmp, "folder"), os.path.join(tmp, "packed")
+        write_folder(folder, args.images)
+        api.pack(folder, packed)
+        results |= decode_rates(folder, gpu)
+        for name, data, kind in (("host", folder, "device"), ("host packed", packed, "device"),
+                                 ("pillow", folder, "pillow")):
+            results[name] = host_rate(data, kind, args.res, args.batch, args.workers,
+                                      args.steps)
+            print(f"gpu_feed: {name:12s} {results[name]:8.0f} img/s on {args.workers} workers",
+                  flush=True)
+        results |= device_rates(folder, args.res, args.batch, args.repeats)
+    for key, value in results.items():
+        if isinstance(value, float):
+            print(f"gpu_feed: {key:22s} {value:8.0f} img/s", flush=True)
+    Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
