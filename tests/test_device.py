@@ -123,10 +123,10 @@ def test_each_randaugment_op_alone_is_pillows(name):
 
 def test_device_rows_are_the_pillow_paths(tmp_path):
     """Whole training rows with RandAugment m9 and a mix: the host's batch (`loader
-    .train_batch`) through the prepare program equals the Pillow path's rows through it —
-    within one level where an `OFF_BY_ONE` op was drawn, else bit for bit —, labels, mixes and
-    skipped images alike; the val rows are the Pillow path's bit for bit. Controls: a flip,
-    RandAugment left off."""
+    .train_batch`) through the device's crops equals the Pillow path's rows within one level
+    (mean <= MEAN_BOUND: only the `OFF_BY_ONE` ops differ), labels, mixes and skipped images
+    alike; the val rows are the Pillow path's bit for bit; the prepare program takes the batch.
+    Controls: a flip, RandAugment left off."""
     from twinstep.data import mix
 
     root = write_folder(str(tmp_path / "data"))
@@ -198,3 +198,23 @@ def test_a_run_trains_with_the_device_loader(tmp_path):
                                  "2"), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     assert "val (raw): top-1" in done.stdout and done.stderr.count("does not decode") == 1
+
+
+def test_the_blend_is_pillows_for_every_pair_of_levels():
+    """Image.blend, which Color, Contrast, Brightness and Sharpness end in, for all 65,536
+    (pixel, degenerate) pairs at 21 factors: bit for bit. Control: the same arithmetic with the
+    product left to XLA in float32 (fused into one FMA with the sum) differs on some pairs."""
+    x, d = (np.repeat(a[None, :, :, None], 3, -1).astype(np.int32)
+            for a in np.meshgrid(np.arange(256), np.arange(256), indexing="ij"))
+    blend = jax.jit(device_ops._blend)
+    fused = jax.jit(lambda x, d, f: jnp.trunc(jnp.clip(
+        d + f[:, None, None, None] * (x - d).astype(jnp.float32), 0, 255)).astype(jnp.int32))
+    seen = 0
+    for level in np.linspace(0, 10, 21):
+        factor = augment._enhance_factor(level, 1 if level < 5 else -1)
+        f = jnp.asarray([factor], jnp.float32)
+        want = np.asarray(Image.blend(Image.fromarray(d[0].astype(np.uint8)),
+                                      Image.fromarray(x[0].astype(np.uint8)), factor))
+        assert np.array_equal(np.asarray(blend(x, d, f))[0], want), factor
+        seen += np.count_nonzero(np.asarray(fused(x, d.astype(jnp.float32), f))[0] != want)
+    assert seen > 0  # control

@@ -109,11 +109,9 @@ def prepare_program(classes: int, precision: str | Precision, replicas: int = 1,
     dtype = get_precision(precision).dtype
 
     def prepare(xs, labels, mix, box, plan):
-        if layout is not None:
-            k, n = xs.shape[:2]
-            xs = device_ops.crops(xs.reshape(k * n, *xs.shape[2:]), plan.reshape(k * n, -1),
-                                  layout)
-            xs = xs.reshape(k, n, *xs.shape[1:])
+        if layout is not None:  # per micro-batch: merged with the sharded rows, XLA would
+            # gather every replica's rows to each
+            xs = jnp.stack([device_ops.crops(xs[m], plan[m], layout) for m in range(len(xs))])
         x = network_input(xs, jnp.float32)
         partner = x[:, ::-1]
         a, b = (mix[:, j, None, None, None, None] for j in (0, 1))

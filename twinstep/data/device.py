@@ -183,6 +183,13 @@ def _skipped(size: int) -> np.ndarray:
     return words
 
 
+EOI = b"\xff\xd9"  # a JPEG's end-of-image marker
+
+
+class Undecodable(Exception):
+    """An image neither nvImageCodec nor Pillow decodes: replaced by the next of its split."""
+
+
 def unavailable() -> str | None:
     """None when nvImageCodec imports, else why not (one line)."""
     try:
@@ -223,20 +230,25 @@ class Device:
 
     def _decode(self, data: bytes, stream, box: tuple[int, int, int, int] | None = None
                 ) -> np.ndarray:
-        """uint8 [h, w, 3] of the image ``data``, only ``box`` (top, left, h, w) when given: an
-        RGB JPEG (``stream``, its nvImageCodec code stream) by nvImageCodec, any other image
-        (``stream`` None) by Pillow as the Pillow path decodes it. ValueError when it does not
-        decode."""
-        if stream is None:
-            try:
-                with Image.open(io.BytesIO(data)) as img:
-                    rgb = np.asarray(transforms.to_rgb(img), np.uint8)
-            except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-                raise ValueError("does not decode") from e
-            if box is None:
-                return rgb
-            top, left, h, w = box
-            return rgb[top:top + h, left:left + w]
+        """uint8 [h, w, 3] of the image ``data``, only ``box`` (top, left, h, w) when given: a
+        whole 3-channel JPEG (``stream``, its nvImageCodec code stream) by nvImageCodec, any
+        other image (``stream`` None), or one nvImageCodec refuses, by Pillow as the Pillow
+        path decodes it. `Undecodable` when Pillow refuses it too."""
+        if stream is not None:
+            image = self._nvimgcodec(stream, box)
+            if image is not None:
+                return image
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                rgb = np.asarray(transforms.to_rgb(img), np.uint8)
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+            raise Undecodable from e
+        if box is None:
+            return rgb
+        top, left, h, w = box
+        return rgb[top:top + h, left:left + w]
+
+    def _nvimgcodec(self, stream, box) -> np.ndarray | None:
         from nvidia import nvimgcodec
 
         if self._decoder is None:
@@ -250,19 +262,20 @@ class Device:
             stream = stream.get_sub_code_stream(
                 region=nvimgcodec.Region(start=(top, left), end=(top + h, left + w)))
         image = self._decoder.decode(stream, params=self._params)
-        if image is None:
-            raise ValueError("does not decode")
-        return np.asarray(image.cpu())
+        return None if image is None else np.asarray(image.cpu())
 
     @staticmethod
     def _header(data: bytes):
         """((width, height), its nvImageCodec code stream when nvImageCodec decodes it — a
-        3-channel JPEG —, else None), None when no header reads."""
+        3-channel JPEG whose data ends at its end-of-image marker —, else None), None when no
+        header reads. A truncated JPEG goes to Pillow, which refuses it whole where a region
+        decode above the cut would succeed."""
         from nvidia import nvimgcodec
 
         try:
             stream = nvimgcodec.CodeStream(data)
-            if stream.codec_name == "jpeg" and stream.num_channels == 3 and stream.width > 0:
+            if (stream.codec_name == "jpeg" and stream.num_channels == 3 and stream.width > 0
+                    and data.endswith(EOI)):
                 return (stream.width, stream.height), stream
         except (RuntimeError, ValueError):
             pass
@@ -283,7 +296,7 @@ class Device:
                 continue
             try:
                 return make(data, *header), j, tried
-            except ValueError:
+            except Undecodable:
                 continue
         raise UsageError(f"no image of {len(split)} in this split decodes")
 
@@ -315,7 +328,7 @@ class Device:
     def train_rows(self, idx, seed, step, row_ids, augment):
         """(canvases [n, C, C, 3] uint8, labels, images skipped per row, plans [n, P])."""
         layout = self.layout(augment)
-        # in a loader process, in shared memory: 25 MB a batch at 224² reach the trainer uncopied
+        # in a loader process, in shared memory: 786 KB a row at 224² reach the trainer uncopied
         canvases = workers.shared_zeros((len(idx), self.canvas, self.canvas, 3), np.uint8)
         plans = np.empty((len(idx), layout.words), np.int32)
         labels, skipped = [], []

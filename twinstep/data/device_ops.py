@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PRECISION_BITS = 22  # Pillow's resample: coefficients in 32 - 8 - 2 bits of fixed point
 # a RandAugment layer's kind (`twinstep.data.device.layer_plan` writes them)
@@ -139,15 +140,16 @@ def _grey(x):
 
 
 def _smooth(x):
-    """ImageFilter.SMOOTH of x [n, S, S, 3] int32 in float32; the edge rows and columns kept."""
-    k = [jnp.float32(v / 13.0) for v in SMOOTH_KERNEL]
-    f = x.astype(jnp.float32)
+    """ImageFilter.SMOOTH of x [n, S, S, 3] int32 in float32, summed in Pillow's order; the
+    edge rows and columns kept."""
     h = x.shape[1]
 
     def row(dy, k3):  # one row of the kernel across the interior columns
-        r = f[:, 1 + dy:h - 1 + dy]
-        return r[:, :, :-2] * k3[0] + r[:, :, 1:-1] * k3[1] + r[:, :, 2:] * k3[2]
+        r = x[:, 1 + dy:h - 1 + dy]
+        return (_product(r[:, :, :-2], k3[0]) + _product(r[:, :, 1:-1], k3[1])
+                + _product(r[:, :, 2:], k3[2]))
 
+    k = [float(np.float32(v / 13.0)) for v in SMOOTH_KERNEL]
     s = jnp.float32(0.5) + row(1, k[0:3])
     s = s + row(0, k[3:6])
     s = s + row(-1, k[6:9])
@@ -155,10 +157,19 @@ def _smooth(x):
     return x.at[:, 1:-1, 1:-1].set(inner)
 
 
+def _product(pixels, factor):
+    """pixels (int32) x factor (float32) rounded to float32 on its own, as Pillow's C rounds
+    it: exact in float64 (8 bits times 24), then rounded once — a float32 product XLA would
+    fuse with the sum that follows into one FMA, a rounding fewer."""
+    with jax.enable_x64(True):
+        return (jnp.asarray(factor, jnp.float32).astype(jnp.float64)
+                * pixels.astype(jnp.float64)).astype(jnp.float32)
+
+
 def _blend(x, degenerate, factor):
     """Image.blend(degenerate, x, factor): d + factor (x - d) in float32, clipped, truncated."""
-    d = degenerate.astype(jnp.float32)
-    t = d + factor[:, None, None, None] * (x.astype(jnp.float32) - d)
+    t = degenerate.astype(jnp.float32) + _product(x - degenerate,
+                                                  factor[:, None, None, None])
     return jnp.trunc(jnp.clip(t, 0, 255)).astype(jnp.int32)
 
 

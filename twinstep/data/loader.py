@@ -69,7 +69,8 @@ def train_batch(src: Source, augment: Augment, seed: int, step: int, micro: int,
 
 
 def _stacked(parts: list) -> np.ndarray:
-    """np.stack(parts), without copying a single part (a device loader's is 25 MB)."""
+    """np.stack(parts), without copying a single part (a device loader's canvases: 786 KB a row
+    at 224²)."""
     return parts[0][None] if len(parts) == 1 else np.stack(parts)
 
 

@@ -5,7 +5,9 @@ Why not grain's multiprocess prefetch (which the thread path still uses): on the
 this project is measured on, it delivered at most ~36 items a second whatever the item's size
 or the number of workers, below one thread's rate for whole training batches
 (bench/RESULTS.md#data-pipeline). Here a worker writes each array of an item into a shared
-memory block of its own and sends only the block's name; the parent copies it out and frees it.
+memory block of its own (or builds it there: `shared_zeros`) and sends only the block's name;
+the parent maps it as its array and removes the name. Shared memory blocks are files under
+/dev/shm: Linux.
 
 Every item is a pure function of its index, so which worker builds it cannot change it. A
 worker stops when it is told to, when its parent is gone, or at the parent's next failure; an
@@ -135,35 +137,42 @@ def _take(part):
 
 
 # in a worker: the item it builds (its blocks' prefix), and the blocks `shared_zeros` made
-# for it, by their arrays' address
+# for it: their arrays' address -> (name, bytes)
 _building: list = []
 _made: dict = {}
 
 
 def shared_zeros(shape: tuple, dtype) -> np.ndarray:
     """np.zeros(shape, dtype) — in a worker, in a shared memory block of its own, so that an
-    item's large array (a device loader's canvases) reaches the parent without a copy."""
+    item's large array (a device loader's canvases) reaches the parent without a copy. The
+    array owns its mapping; the block's name is the parent's to remove once sent, else
+    `_release` removes it."""
     if not _building:
         return np.zeros(shape, dtype)
-    prefix = _building[0]
-    name = f"{prefix}z{len(_made)}"
-    dtype = np.dtype(dtype)
-    block = shared_memory.SharedMemory(name=name, create=True,
-                                       size=max(math.prod(shape) * dtype.itemsize, 1))
-    array = np.ndarray(shape, dtype, block.buf)  # a new block is zeros
-    _made[array.ctypes.data] = block
+    name, dtype = f"{_building[0]}z{len(_made)}", np.dtype(dtype)
+    size = max(math.prod(shape) * dtype.itemsize, 1)
+    fd = os.open(os.path.join(SHM, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)  # a new block reads as zeros
+        mapped = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    resource_tracker.register(f"/{name}", "shared_memory")  # removed if we all die
+    array = np.frombuffer(mapped, dtype, count=math.prod(shape)).reshape(shape)
+    _made[array.ctypes.data] = (name, size)
     return array
 
 
-def _send(part, name: str):
+def _send(part, name: str, sent: set):
     """A part of an item as a worker sends it: an array into a shared memory block ``name`` of
-    its own (by name) — or the block it is in already (`shared_zeros`) —, anything else as it
-    is."""
+    its own (by name) — or the block it is in already (`shared_zeros`; its name joins
+    ``sent``) —, anything else as it is."""
     if not isinstance(part, np.ndarray):
         return part
     own = _made.get(part.ctypes.data)
-    if own is not None and part.flags.c_contiguous and part.nbytes == own.size:
-        return "shm", own.name, part.shape, part.dtype.str
+    if own is not None and part.flags.c_contiguous and part.nbytes == own[1]:
+        sent.add(own[0])
+        return "shm", own[0], part.shape, part.dtype.str
     block = shared_memory.SharedMemory(name=name, create=True, size=max(part.nbytes, 1))
     try:
         np.ndarray(part.shape, part.dtype, block.buf)[...] = part
@@ -185,23 +194,24 @@ def _work(make, tasks, done, parent: int, prefix: str) -> None:
         if i is None:
             return
         _building[:] = [f"{prefix}{i}_"]
+        names: set = set()
         try:
-            sent = [_send(part, f"{prefix}{i}_{k}") for k, part in enumerate(make(i))]
+            sent = [_send(part, f"{prefix}{i}_{k}", names) for k, part in enumerate(make(i))]
         except UsageError as e:  # bad input: the parent refuses it as its own
             sent = e
         except Exception as e:  # noqa: BLE001 - the parent re-raises it, in one line
             sent = f"loader worker, item {i}: {type(e).__name__}: {e}"
-        _release(unlink=not isinstance(sent, list))
+        _release(names if isinstance(sent, list) else set())
         done.put((i, sent))
 
 
-def _release(unlink: bool) -> None:
-    """Let go of the blocks `shared_zeros` made for the item just built (the parent frees a
-    sent one; one never sent is freed here)."""
+def _release(sent: set) -> None:
+    """Forget the blocks `shared_zeros` made for the item just built, removing those not sent
+    (copied into another array, or the item failed); a sent one is the parent's."""
     _building.clear()
-    for block in _made.values():
-        with contextlib.suppress(BufferError):  # an array still over it: unmapped with it
-            block.close()
-        if unlink:
-            block.unlink()
+    for name, _ in _made.values():
+        if name not in sent:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM, name))
+            resource_tracker.unregister(f"/{name}", "shared_memory")
     _made.clear()
