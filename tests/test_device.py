@@ -1,7 +1,7 @@
-"""`--loader device` (twinstep.data.device, twinstep.data.device_ops) against the Pillow path,
-its reference: the resize bit for bit, every RandAugment op alone at several magnitudes within
-its stated bound (docs/training.md#device-loader), whole rows as the Pillow path's — each with
-controls the bound must catch. Needs the [nvimgcodec] extra."""
+"""`--loader device` (twinstep.data.device, .device_ops) against the Pillow path: its reference.
+The resize bit for bit, every RandAugment op alone at several magnitudes within its stated bound
+(docs/training.md#device-loader), whole rows as the Pillow path's — each with controls the
+bound must catch. Needs the [nvimgcodec] extra."""
 
 import dataclasses
 
