@@ -300,7 +300,7 @@ class Device:
                 continue
         raise UsageError(f"no image of {len(split)} in this split decodes")
 
-    def train_row(self, data: bytes, size: tuple[int, int], stream,
+    def train_row(self, data: bytes, size: tuple[int, int], stream, *,
                   rng: np.random.Generator, randaugment: int | None, layout: Layout,
                   canvas: np.ndarray) -> np.ndarray:
         """One row, drawn as `twinstep.data.transforms.train_transform` draws: its crop
@@ -335,8 +335,9 @@ class Device:
         for r, (i, row) in enumerate(zip(idx, row_ids, strict=True)):
             def make(data, size, stream, row=row, canvas=canvases[r]):
                 rng = np.random.default_rng([seed, step, 0, int(row)])
-                return self.train_row(data, size, stream, rng, augment.randaugment, layout,
-                                      canvas)
+                return self.train_row(data, size, stream, rng=rng,
+                                      randaugment=augment.randaugment, layout=layout,
+                                      canvas=canvas)
 
             plans[r], used, tried = self._decoded(self.train, int(i), make)
             labels.append(self.train.labels[used])

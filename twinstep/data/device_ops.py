@@ -173,7 +173,7 @@ def _blend(x, degenerate, factor):
     return jnp.trunc(jnp.clip(t, 0, 255)).astype(jnp.int32)
 
 
-def rand_augment_layer(x, kind, lut, coeffs, bicubic, fill, degenerate, factor):
+def rand_augment_layer(x, *, kind, lut, coeffs, bicubic, fill, degenerate, factor):
     """One RandAugment layer on x [n, S, S, 3] int32, each row's op as drawn on the host: kind
     [n] (`NONE` ... `BLEND`), lut [n, 3, 256] (the table of a `LUT` op), coeffs [n, 6] f32,
     bicubic [n] bool, fill [n, 3] (an `AFFINE` op's), degenerate [n] (`GREY` ... `SMOOTH`) and
