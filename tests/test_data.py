@@ -232,6 +232,41 @@ def test_loader_workers_deliver_in_order_refuse_as_the_parent_and_leave_nothing(
     assert _shm_blocks() == before
 
 
+def _zeros_item(i):
+    """A loader item built in shared memory (`twinstep.data.workers.shared_zeros`), its first
+    1 + i % 7 rows i + 1, and one copied there."""
+    from twinstep.data import workers
+
+    x = workers.shared_zeros((64, 4096), np.uint8)
+    x[:1 + i % 7] = i + 1
+    return x, np.full(8, i, np.int64)
+
+
+def _holds(x, marks, i) -> bool:
+    """Whether `_zeros_item` i is (x, marks)."""
+    return (x[:1 + i % 7] == i + 1).all() and not x[1 + i % 7:].any() and (marks == i).all()
+
+
+def test_loader_workers_reuse_a_block_only_once_no_array_is_over_it():
+    """twinstep.data.workers reuses a shared memory block once the parent holds no array over
+    it: every fifth of 40 items is held to the end and still holds its values (a block handed
+    back while an array is over it would be overwritten); the 40 items of 2 arrays make at most
+    2 x (8 held + 4 in flight + 2) blocks, not 80; a reused block reads as zeros where nothing
+    was written."""
+    from twinstep.data import workers
+
+    before, names, held = _shm_blocks(), set(), []
+    for i, (x, marks) in enumerate(workers.stream(_zeros_item, 0, 40, 2, 2)):
+        names |= _shm_blocks() - before
+        assert _holds(x, marks, i)
+        if i % 5 == 0:
+            held.append((i, x, marks))
+        del x, marks
+    assert all(_holds(x, m, i) for i, x, m in held)
+    assert len(names) <= 2 * (len(held) + 2 * 2 + 2), len(names)
+    assert _shm_blocks() == before
+
+
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
     return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)

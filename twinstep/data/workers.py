@@ -5,9 +5,12 @@ Why not grain's multiprocess prefetch (which the thread path still uses): on the
 this project is measured on, it delivered at most ~36 items a second whatever the item's size
 or the number of workers, below one thread's rate for whole training batches
 (bench/RESULTS.md#data-pipeline). Here a worker writes each array of an item into a shared
-memory block of its own (or builds it there: `shared_zeros`) and sends only the block's name;
-the parent maps it as its array and removes the name. Shared memory blocks are files under
-/dev/shm: Linux.
+memory block (or builds it there: `shared_zeros`) and sends only the block's name; the parent
+maps it as its array. A block is reused: when the last array over it is gone, the parent hands
+its name back, and a worker builds a later item there, its pages already in memory — a new
+block's pages are faulted in one at a time, which cost the device loader a fifth of its host
+time (docs/training.md#device-loader). A stream's blocks are removed when it ends. Shared memory
+blocks are files under /dev/shm: Linux.
 
 Every item is a pure function of its index, so which worker builds it cannot change it. A
 worker stops when it is told to, when its parent is gone, or at the parent's next failure; an
@@ -24,7 +27,8 @@ import multiprocessing
 import os
 import queue
 import secrets
-from multiprocessing import resource_tracker, shared_memory
+import weakref
+from multiprocessing import resource_tracker
 
 import numpy as np
 
@@ -45,10 +49,11 @@ def stream(make, start: int, stop: int, workers: int, ahead: int):
     processes with at most ``ahead`` items in flight per worker; close it to stop them. ``make``
     must pickle (a module function or a partial of one) and return a tuple."""
     ctx = multiprocessing.get_context("spawn")  # no fork of a process running XLA's threads
-    tasks, done = ctx.Queue(), ctx.Queue()
+    tasks, done, free = ctx.Queue(), ctx.Queue(), ctx.Queue()  # free: blocks to reuse
     prefix = f"{BLOCK_PREFIX}{os.getpid()}_{secrets.token_hex(3)}_"  # this stream's blocks
-    procs = [ctx.Process(target=_work, args=(make, tasks, done, os.getpid(), prefix),
+    procs = [ctx.Process(target=_work, args=(make, tasks, done, free, os.getpid(), prefix),
                          daemon=True) for _ in range(workers)]
+    returns = _Returns(free)
     for p in procs:
         p.start()
     ready: dict = {}  # index -> the item's parts, arrays still in shared memory
@@ -61,7 +66,7 @@ def stream(make, start: int, stop: int, workers: int, ahead: int):
             while i not in ready:
                 j, parts = _receive(done, procs)
                 ready[j] = parts
-            yield tuple(_take(part) for part in ready.pop(i))
+            yield tuple(_take(part, returns) for part in ready.pop(i))
     finally:
         for _ in procs:
             tasks.put(None)
@@ -69,12 +74,12 @@ def stream(make, start: int, stop: int, workers: int, ahead: int):
             p.join(timeout=STOP_S)
             if p.is_alive():
                 p.terminate()
-        for parts in ready.values():
-            for part in parts:
-                _take(part)  # frees its block
+        returns.free = None  # an array dropped from now on frees its memory with it
+        free.cancel_join_thread()  # names never read: no reason to wait at exit
         _drain(done)
-        for path in glob.glob(f"/dev/shm/{prefix}*"):  # a worker stopped while writing one
-            os.unlink(path)
+        for path in glob.glob(os.path.join(SHM, f"{prefix}*")):  # arrays still over a block
+            os.unlink(path)  # keep its memory until they go
+            resource_tracker.unregister(f"/{os.path.basename(path)}", "shared_memory")
 
 
 def abandon() -> None:
@@ -110,81 +115,121 @@ def _receive(done, procs) -> tuple[int, list]:
 
 
 def _drain(done) -> None:
-    """Free the blocks of items finished after the parent stopped asking."""
+    """Empty ``done`` of items finished after the parent stopped asking (their blocks go with
+    the stream's)."""
     while True:
         try:
-            _, parts = done.get_nowait()
+            done.get_nowait()
         except (queue.Empty, OSError, ValueError):
             return
-        if isinstance(parts, list):
-            for part in parts:
-                _take(part)
 
 
-def _take(part):
+class _Returns:
+    """Where the parent hands back a block no array is over any more: a stream's ``free``
+    queue, None once the stream has ended."""
+
+    def __init__(self, free):
+        self.free = free
+
+
+def _give_back(returns: _Returns, name: str) -> None:
+    free = returns.free
+    if free is not None:
+        with contextlib.suppress(ValueError, OSError):  # the stream closed meanwhile
+            free.put(name)
+
+
+def _take(part, returns: _Returns):
     """A part of an item as the parent receives it: an array over its shared memory block,
-    mapped, not copied (a device loader's batch is 25 MB) — the block's name is removed at once,
-    its memory goes with the array —, anything else as it came."""
+    mapped, not copied (a device loader's batch is 25 MB) — its name handed back to
+    ``returns`` when the last array over the mapping is gone —, anything else as it came."""
     if not (isinstance(part, tuple) and part and part[0] == "shm"):
         return part
     _, name, shape, dtype = part
-    path = os.path.join(SHM, name)
-    with open(path, "r+b") as f:
+    with open(os.path.join(SHM, name), "r+b") as f:
         mapped = mmap.mmap(f.fileno(), 0)
-    os.unlink(path)
-    resource_tracker.unregister(f"/{name}", "shared_memory")  # as SharedMemory.unlink does
+    # the mapping outlives every view of it (numpy keeps it as their base), the array does not
+    weakref.finalize(mapped, _give_back, returns, name)
     return np.frombuffer(mapped, np.dtype(dtype), count=math.prod(shape)).reshape(shape)
 
 
-# in a worker: the item it builds (its blocks' prefix), and the blocks `shared_zeros` made
-# for it: their arrays' address -> (name, bytes)
+# in a worker: the item it builds (its blocks' prefix), the blocks it has made for that item
+# (their arrays' address -> (name, bytes)), every block it has mapped (name -> mapping), those
+# free to reuse (bytes -> names), and the stream's queue of blocks the parent handed back
 _building: list = []
 _made: dict = {}
+_mapped: dict = {}
+_spare: dict = {}
+_free: list = []
 
 
 def shared_zeros(shape: tuple, dtype) -> np.ndarray:
-    """np.zeros(shape, dtype) — in a worker, in a shared memory block of its own, so that an
-    item's large array (a device loader's canvases) reaches the parent without a copy. The
-    array owns its mapping; the block's name is the parent's to remove once sent, else
-    `_release` removes it."""
+    """np.zeros(shape, dtype) — in a worker, in a shared memory block, so that an item's large
+    array (a device loader's canvases) reaches the parent without a copy."""
     if not _building:
         return np.zeros(shape, dtype)
-    name, dtype = f"{_building[0]}z{len(_made)}", np.dtype(dtype)
-    size = max(math.prod(shape) * dtype.itemsize, 1)
-    fd = os.open(os.path.join(SHM, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, size)  # a new block reads as zeros
-        mapped = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    resource_tracker.register(f"/{name}", "shared_memory")  # removed if we all die
-    array = np.frombuffer(mapped, dtype, count=math.prod(shape)).reshape(shape)
-    _made[array.ctypes.data] = (name, size)
+    array, reused = _block_array(shape, np.dtype(dtype))
+    if reused:
+        array.fill(0)
     return array
 
 
-def _send(part, name: str, sent: set):
-    """A part of an item as a worker sends it: an array into a shared memory block ``name`` of
-    its own (by name) — or the block it is in already (`shared_zeros`; its name joins
-    ``sent``) —, anything else as it is."""
+def _block_array(shape: tuple, dtype: np.dtype) -> tuple[np.ndarray, bool]:
+    """(an array over a shared memory block of the item being built, whether the block was
+    used before — else it reads as zeros): a block handed back by the parent of that size when
+    there is one, else a new one."""
+    size = max(math.prod(shape) * dtype.itemsize, 1)
+    name = _reusable(size)
+    reused = name is not None
+    if not reused:
+        name = f"{_building[0]}{os.getpid()}_{len(_mapped)}"
+        resource_tracker.register(f"/{name}", "shared_memory")  # removed if we all die
+        fd = os.open(os.path.join(SHM, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)  # a new block reads as zeros
+            _mapped[name] = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+    array = np.frombuffer(_mapped[name], dtype, count=math.prod(shape)).reshape(shape)
+    _made[array.ctypes.data] = (name, size)
+    return array, reused
+
+
+def _reusable(size: int) -> str | None:
+    """The name of a free block of ``size`` bytes (kept mapped), or None."""
+    spare = _spare.setdefault(size, [])
+    while not spare:
+        try:
+            name = _free[0].get_nowait()
+        except (queue.Empty, OSError, ValueError):
+            return None
+        if name not in _mapped:  # another worker's
+            with open(os.path.join(SHM, name), "r+b") as f:
+                _mapped[name] = mmap.mmap(f.fileno(), 0)
+        _spare.setdefault(len(_mapped[name]), []).append(name)
+    return spare.pop()
+
+
+def _send(part, sent: set):
+    """A part of an item as a worker sends it: an array into a shared memory block — or the
+    block it is in already (`shared_zeros`) —, its name joining ``sent``; anything else as it
+    is."""
     if not isinstance(part, np.ndarray):
         return part
     own = _made.get(part.ctypes.data)
-    if own is not None and part.flags.c_contiguous and part.nbytes == own[1]:
-        sent.add(own[0])
-        return "shm", own[0], part.shape, part.dtype.str
-    block = shared_memory.SharedMemory(name=name, create=True, size=max(part.nbytes, 1))
-    try:
-        np.ndarray(part.shape, part.dtype, block.buf)[...] = part
-        return "shm", block.name, part.shape, part.dtype.str
-    finally:
-        block.close()
+    if own is None or own[0] in sent or not part.flags.c_contiguous or part.nbytes != own[1]:
+        block, _ = _block_array(part.shape, part.dtype)
+        block[...] = part
+        own = _made[block.ctypes.data]
+    sent.add(own[0])
+    return "shm", own[0], part.shape, part.dtype.str
 
 
-def _work(make, tasks, done, parent: int, prefix: str) -> None:
+def _work(make, tasks, done, free, parent: int, prefix: str) -> None:
     """A worker: build the items it is asked for until told to stop or orphaned."""
     import signal
 
+    _free[:] = [free]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     while os.getppid() == parent:
         try:
@@ -193,10 +238,10 @@ def _work(make, tasks, done, parent: int, prefix: str) -> None:
             continue
         if i is None:
             return
-        _building[:] = [f"{prefix}{i}_"]
+        _building[:] = [prefix]
         names: set = set()
         try:
-            sent = [_send(part, f"{prefix}{i}_{k}", names) for k, part in enumerate(make(i))]
+            sent = [_send(part, names) for part in make(i)]
         except UsageError as e:  # bad input: the parent refuses it as its own
             sent = e
         except Exception as e:  # noqa: BLE001 - the parent re-raises it, in one line
@@ -206,12 +251,10 @@ def _work(make, tasks, done, parent: int, prefix: str) -> None:
 
 
 def _release(sent: set) -> None:
-    """Forget the blocks `shared_zeros` made for the item just built, removing those not sent
-    (copied into another array, or the item failed); a sent one is the parent's."""
+    """Forget the blocks made for the item just built, keeping those not sent (copied into
+    another array, or the item failed) to reuse; a sent one is the parent's until handed back."""
     _building.clear()
-    for name, _ in _made.values():
+    for name, size in _made.values():
         if name not in sent:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM, name))
-            resource_tracker.unregister(f"/{name}", "shared_memory")
+            _spare.setdefault(size, []).append(name)
     _made.clear()
