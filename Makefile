@@ -4,9 +4,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # The oracle extra (torch, timm) is ~5.5 GB from this machine's local wheel cache; the iree
-# extra (IREE's compiler and runtime) is what tests/test_iree.py runs renders on; the dali
-# extra is the CPU twin of the GPU data path (tests/test_dali.py).
-EXTRAS_TEST := oracle,dev,iree,dali,nvimgcodec
+# extra (IREE's compiler and runtime) is what tests/test_iree.py runs renders on.
+EXTRAS_TEST := oracle,dev,iree,nvimgcodec
 DEMO_NETS := resnet50 mnv4
 
 .PHONY: demo demo-ties certify pictures test test-fast test-all lint bench clean
@@ -91,7 +90,7 @@ ARGS ?=
 
 # The tiers' marker expressions (pytest -m). tests/tiers.py reads these two lines to generate
 # the README's table of what each tier runs.
-FAST_MARKERS := not slow and not oracle and not iree and not dali and not nvimgcodec and not all
+FAST_MARKERS := not slow and not oracle and not iree and not nvimgcodec and not all
 TEST_MARKERS := not all
 
 # The inner loop: no whole-network compile, no extra's library needed.

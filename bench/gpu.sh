@@ -2,7 +2,7 @@
 # The GPU check, one script in four parts: `step`, twinstep's bf16 train step of each net at
 # 224² on one device (img/s, MFU; bench/gpu_step.py); `hlo`, whether XLA kept the bf16
 # convolutions bf16 (bench/gpu_bf16_hlo.py); `train`, `twinstep train` end to end on generated
-# JPEGs and their packed copy through Pillow and DALI (img/s, data vs step; bench/gpu_train.py);
+# JPEGs and their packed copy through Pillow (img/s, data vs step; bench/gpu_train.py);
 # `feed`, the device loader (`--loader device`): its host's and its GPU's shares alone
 # (bench/gpu_feed.py), then ResNet-50 trained through it and through Pillow with RandAugment m9
 # (bench/gpu_train.py). Needs no network.
@@ -27,9 +27,8 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform \
 #     manylinux_2_28_x86_64 -d .wheels grain==0.2.18 array_record==0.8.6 portpicker \
 #     tensorboardX==2.6.5 optax==0.2.8 orbax-checkpoint==0.12.8
-# DALI: the [dali] extra when it installs (from ./.wheels, else the index); without it the
-# train timing runs the Pillow paths only. nvImageCodec (feed): the machine's, else a wheel in
-# ./.wheels (25 MB; its CPU decoder needs no CUDA library; the GPU decoder needs nvJPEG):
+# nvImageCodec (feed): the machine's, else a wheel in ./.wheels (25 MB; its CPU decoder needs
+# no CUDA library; the GPU decoder needs nvJPEG):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform \
 #     manylinux_2_28_x86_64 -d .wheels 'nvidia-nvimgcodec-cu13>=0.9,<0.10'
 # Its CPU twin: `python bench/gpu_feed.py --res 64 --batch 32 --images 64 --workers 2` here.
@@ -91,20 +90,8 @@ if [[ $parts == *" hlo "* ]]; then
     bf16=$?
 fi
 if [[ $parts == *" train "* ]]; then
-    paths="pillow pillow-packed dali dali-packed"
-    if ! "$PY" -c 'import nvidia.dali' 2>/dev/null; then
-        if [ -d .wheels ]; then
-            "$PY" -m pip install -q --no-index --find-links .wheels -e '.[dali]' 2>/dev/null
-        else
-            "$PY" -m pip install -q -e '.[dali]' 2>/dev/null
-        fi
-        "$PY" -c 'import nvidia.dali' 2>/dev/null || {
-            echo "gpu.sh: DALI does not install here; timing the Pillow paths only" >&2
-            paths="pillow pillow-packed"; }
-    fi
-    # shellcheck disable=SC2086 # the paths are words
     timeout 300 "$PY" bench/gpu_train.py --nets "${nets[@]}" --json "$out/gpu_train.json" \
-        --paths $paths
+        --paths pillow pillow-packed
     train=$?
 fi
 feed=0

@@ -71,7 +71,7 @@ def host_rate(data: str, kind: str, res: int, batch: int, workers: int, steps: i
     """img/s of a loader's host share over its last half of batches."""
     from twinstep.data import loader, mix, sources
 
-    src = sources.get_source(data, res, kind, workers)
+    src = sources.get_source(data, res, kind)
     augment = sources.Augment(RANDAUGMENT, mix.MixParams(MIXUP, CUTMIX))
     stream = loader.train_stream(src, augment, 0, 0, steps, 1, batch, workers)
     times = [time.perf_counter() for _ in stream]

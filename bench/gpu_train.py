@@ -3,10 +3,9 @@ data path, and where the time goes.
 
 A folder of generated 500 x 375 JPEGs (bench/loader.py's, ImageNet-sized) and its packed copy
 (`twinstep pack`) are trained on at --res with the recipe ``<net>in_adamdp<N>bf16`` (bf16
-convolutions, as bench/gpu_step.py), with --randaugment M when given, through six data paths:
+convolutions, as bench/gpu_step.py), with --randaugment M when given, through four data paths:
 Pillow from the folder and from the packed copy, the device loader from each (`--loader
-device`: the resize and RandAugment on the GPU), DALI from each (`--loader dali`: its GPU
-decoder when JAX has a GPU).
+device`: the resize and RandAugment on the GPU).
 For each, three rates:
 
   data    the loader alone (`twinstep.data.loader.train_stream`, no device): what it delivers
@@ -20,7 +19,7 @@ Compiles are shared through a JAX compilation cache in the temporary folder. Pri
 per (net, path) and writes JSON (--json) after each, so a run cut short keeps what it measured;
 a path that fails prints its error and the others still run (exit 3).
 On a machine without a GPU it runs too (its CPU twin, at a small --res): `make test` does not run
-it, tests/test_dali.py holds the DALI path on CPU.
+it, tests/test_device.py holds the device loader on CPU.
 
     python bench/gpu_train.py [--nets resnet50 mnv4] [--res 224] [--batch 256] [--steps 160]
                               [--images 1024] [--workers W] [--json bench/gpu_train.json]
@@ -42,8 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loader import write_folder  # noqa: E402
 
 PATHS = {"pillow": ("pillow", False), "pillow-packed": ("pillow", True),
-         "device": ("device", False), "device-packed": ("device", True),
-         "dali": ("dali", False), "dali-packed": ("dali", True)}  # name: (loader, packed)
+         "device": ("device", False), "device-packed": ("device", True)}  # name: (loader, packed)
 
 
 def data_rate(data: str, kind: str, recipe: str, res: int, workers: int, steps: int,
@@ -57,7 +55,7 @@ def data_rate(data: str, kind: str, recipe: str, res: int, workers: int, steps: 
     r = recipes.parse(recipe)
     augment = sources.Augment(randaugment, mix.MixParams(r.mixup, r.cutmix)
                              if r.mixup or r.cutmix else None)
-    src = sources.get_source(data, res, kind, workers)
+    src = sources.get_source(data, res, kind)
     stream = loader.train_stream(src, augment, 0, 0, steps, r.accum, r.batch, workers)
     times = [time.perf_counter() for _ in stream]
     stream.close()
@@ -97,7 +95,7 @@ def main() -> int:
     p.add_argument("--randaugment", type=int, metavar="M",
                    help="RandAugment rand-mM-mstd0.5-inc1 (default: none, as the recipe)")
     p.add_argument("--workers", type=int, default=os.cpu_count(),
-                   help="loader processes, or DALI's threads (default: every core)")
+                   help="loader processes (default: every core)")
     p.add_argument("--json", default=str(Path(__file__).with_name("gpu_train.json")))
     args = p.parse_args()
     import jax

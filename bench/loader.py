@@ -10,12 +10,14 @@ delivered as mixed training batches, by worker count, with and without RandAugme
   device    `--loader device`: the same draws; nvImageCodec decodes only the crop, and the
             resize and RandAugment are left to the devices (a plan per row), so this is the
             host's share alone; "device packed" from the copy
-  dali      `--loader dali`: the same draws, decoded (only the crop) and augmented by DALI's
-            CPU operators on max(workers, 1) threads of its own; "dali packed" from the copy
   timm      `timm.data.create_loader` (a torch DataLoader, its worker processes) over the same
             folder with the same transform (train interpolation 'random', no colour jitter —
             twinstep has none), normalised float32 batches, then `timm.data.Mixup` on each batch
             as timm's train.py applies it; 0 workers is the calling thread
+  timm fast `create_loader` as timm's train.py builds it for a GPU, less the GPU's part: uint8
+            batches collated and mixed by `timm.data.FastCollateMixup` in the workers (its
+            prefetcher, which normalises them on the GPU, left out), so this is the host's share
+            alone, as "device" is
 
 All read the same JPEGs (ImageNet-sized, 500 x 375, q90) at 224². img/s per core divides by
 the cores the pipeline keeps busy (its workers, or one); the projection says how many such
@@ -68,36 +70,38 @@ def write_folder(root: str, images: int) -> None:
 def twinstep_batches(root: str, workers: int, randaugment: bool, steps: int,
                      kind: str = "pillow"):
     """A generator of twinstep's training batches (and the callable that stops it), from the
-    image folder or, given its packed copy, from that; ``kind`` "dali": DALI decodes, on
-    max(workers, 1) threads."""
+    image folder or, given its packed copy, from that; ``kind``: the loader (`--loader`)."""
     from twinstep.data import loader, mix, sources
 
-    src = sources.get_source(root, RES, kind, workers)
+    src = sources.get_source(root, RES, kind)
     augment = sources.Augment(RANDAUGMENT if randaugment else None, mix.MixParams(MIXUP, CUTMIX))
     stream = loader.train_stream(src, augment, 0, 0, steps, 1, ROWS, workers)
     return stream, stream.close
-
-
-def dali_batches(root: str, workers: int, randaugment: bool, steps: int):
-    return twinstep_batches(root, workers, randaugment, steps, "dali")
 
 
 def device_batches(root: str, workers: int, randaugment: bool, steps: int):
     return twinstep_batches(root, workers, randaugment, steps, "device")
 
 
-def timm_batches(root: str, workers: int, randaugment: bool, steps: int):
-    """timm's loader and Mixup, as timm's train.py builds them on a machine with no GPU."""
+def timm_batches(root: str, workers: int, randaugment: bool, steps: int, fast: bool = False):
+    """timm's loader and Mixup, as timm's train.py builds them on a machine with no GPU; ``fast``:
+    as it builds them for a GPU, less the GPU's part (uint8 batches collated and mixed by
+    FastCollateMixup in the workers, normalised later by its prefetcher on the GPU)."""
     import torch
-    from timm.data import ImageDataset, Mixup, create_loader
+    from timm.data import FastCollateMixup, ImageDataset, Mixup, create_loader
 
     dataset = ImageDataset(os.path.join(root, "train"))
+    collate = FastCollateMixup(mixup_alpha=MIXUP, cutmix_alpha=CUTMIX, num_classes=4)
     loader = create_loader(dataset, (3, RES, RES), ROWS, is_training=True,
                            auto_augment=f"rand-m{RANDAUGMENT}-mstd0.5-inc1" if randaugment
                            else None, color_jitter=0.0, interpolation="random",
-                           num_workers=workers, use_prefetcher=False, device=torch.device("cpu"),
+                           num_workers=workers, use_prefetcher=fast, device=torch.device("cpu"),
+                           collate_fn=collate if fast else None,
                            persistent_workers=workers > 0)
-    mixup = Mixup(mixup_alpha=MIXUP, cutmix_alpha=CUTMIX, num_classes=4)
+    if fast:
+        loader = loader.loader  # the DataLoader its (GPU) prefetcher wraps
+    mixup = (lambda x, y: (x, y)) if fast else Mixup(mixup_alpha=MIXUP, cutmix_alpha=CUTMIX,
+                                                      num_classes=4)
 
     def batches():
         done = 0
@@ -111,6 +115,10 @@ def timm_batches(root: str, workers: int, randaugment: bool, steps: int):
                     return
 
     return batches(), lambda: None
+
+
+def timm_fast_batches(root: str, workers: int, randaugment: bool, steps: int):
+    return timm_batches(root, workers, randaugment, steps, fast=True)
 
 
 def packed_report(root: str, packed_root: str) -> str:
@@ -159,8 +167,7 @@ def main() -> None:
     # name: (batches, reads the packed copy)
     peers = {"twinstep": (twinstep_batches, False), "packed": (twinstep_batches, True),
              "device": (device_batches, False), "device packed": (device_batches, True),
-             "dali": (dali_batches, False), "dali packed": (dali_batches, True),
-             "timm": (timm_batches, False)}
+             "timm": (timm_batches, False), "timm fast": (timm_fast_batches, False)}
     cases = [(ra, w) for ra in (True, False) for w in args.workers]
     rates: dict = {(peer, ra, w): [] for peer in peers for ra, w in cases}
     starts: dict = {key: [] for key in rates}
@@ -183,7 +190,7 @@ def main() -> None:
     med = {key: statistics.median(v) for key, v in rates.items()}
     lines = ["| RandAugment | workers | " + " | ".join(f"{p} img/s" for p in peers)
              + " | twinstep / timm | packed / twinstep | device / twinstep | device / timm | "
-             "dali / twinstep | twinstep vs its 1 worker |",
+             "device / timm fast | twinstep vs its 1 worker |",
              "|---|---|" + "---|" * (len(peers) + 6)]
     for ra, w in cases:
         got = {p: med[p, ra, w] for p in peers}
@@ -195,10 +202,10 @@ def main() -> None:
                      f"**{got['packed'] / got['twinstep']:.2f}** | "
                      f"**{got['device'] / got['twinstep']:.2f}** | "
                      f"**{got['device'] / got['timm']:.2f}** | "
-                     f"**{got['dali'] / got['twinstep']:.2f}** | "
+                     f"**{got['device'] / got['timm fast']:.2f}** | "
                      f"{scaling} |")
     lines += ["", f"Cores to feed {GOAL:,} img/s (the best img/s per core of each path above; "
-              "a worker, or DALI's thread, is a core):", "",
+              "a worker is a core):", "",
               "| path | RandAugment | img/s per core | cores |", "|---|---|---|---|"]
     for peer in peers:
         for ra in (True, False):
@@ -209,8 +216,9 @@ def main() -> None:
     command = "python bench/loader.py " + " ".join(sys.argv[1:])
     write_results(RESULTS, "Data pipeline",
                   f"Training batches of {ROWS} at {RES}², mixup {MIXUP} / CutMix {CUTMIX}, from "
-                  f"{args.images} JPEGs of 500 x 375: twinstep's loader against timm's "
-                  f"create_loader + Mixup.", command, "\n".join(lines),
+                  f"{args.images} JPEGs of 500 x 375: twinstep's loaders against timm's "
+                  f"create_loader + Mixup, and against its GPU path's host share "
+                  f"(FastCollateMixup).", command, "\n".join(lines),
                   f"Medians of {args.repeats} interleaved repeats of {args.steps} batches, after "
                   "the first (its wait, the workers starting, apart). img/s per core: img/s / "
                   "max(workers, 1). The machine's 1-minute load average over the rounds: "

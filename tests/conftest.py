@@ -2,8 +2,8 @@
 programs (both before JAX's first operation), a deterministic hypothesis profile so CI draws the
 same shapes every run, and the tiers.
 
-Tiers (markers, pyproject.toml): ``slow`` compiles a whole network, ``oracle``, ``iree``,
-``dali`` and ``nvimgcodec`` run an extra's library, ``all`` belongs to the exhaustive matrix.
+Tiers (markers, pyproject.toml): ``slow`` compiles a whole network, ``oracle``, ``iree`` and
+``nvimgcodec`` run an extra's library, ``all`` belongs to the exhaustive matrix.
 The Makefile's FAST_MARKERS and TEST_MARKERS select `make test-fast` and `make test`; `make
 test-all` runs everything, with TWINSTEP_HYPOTHESIS=all for the whole-network sweeps' random draws
 (`SWEEP_PHASES`). What each tier runs: the README's table (tests/tiers.py).
@@ -71,9 +71,6 @@ EXTRAS = (
     ("iree", _importable("iree.compiler", "iree.runtime"),
      "the iree tests need IREE: install the [iree] extra, or run `make test-fast`, which leaves "
      "them out"),
-    ("dali", _importable("nvidia.dali"),
-     "the dali tests need NVIDIA DALI: install the [dali] extra, or run `make test-fast`, which "
-     "leaves them out"),
     ("nvimgcodec", _importable("nvidia.nvimgcodec"),
      "the nvimgcodec tests need nvImageCodec: install the [nvimgcodec] extra, or run `make "
      "test-fast`, which leaves them out"),

@@ -182,22 +182,66 @@ def test_device_batches_are_a_function_of_seed_and_step(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("folder-run")  # its step is the DALI run's and the resume test's
-def test_a_run_trains_with_the_device_loader(tmp_path):
+@pytest.mark.xdist_group("folder-run")  # its step is the resume test's (tests/test_train.py)
+def test_a_run_with_the_device_loader_killed_and_resumed_ends_where_it_would_have(tmp_path):
     """`twinstep train --loader device` on 2 replicas, RandAugment, mixup / CutMix and a
-    truncated image: the run ends, evaluates and counts the image it skipped."""
+    truncated image: the uninterrupted run reads with 2 loader processes, evaluates and counts
+    the image it skipped; one killed mid-run (the kill shown to land after a checkpoint, not the
+    last) and resumed with a thread ends bitwise where it does."""
     import os
+    import signal
     import subprocess
 
-    from test_train import _train
+    from test_train import _await, _logged, _train
+
+    from twinstep.processes import launcher
+    from twinstep.training.checkpoint import load_state
 
     data = write_folder(str(tmp_path / "data"))
     with open(os.path.join(data, "train", "ant", "1.JPG"), "wb") as f:
         f.write(b"\xff\xd8 truncated")
-    done = subprocess.run(_train(tmp_path / "run", data, "--loader", "device", "--workers",
-                                 "2"), capture_output=True, text=True, timeout=900)
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    done = subprocess.run(_train(whole, data, "--loader", "device", "--workers", "2"),
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     assert "val (raw): top-1" in done.stdout and done.stderr.count("does not decode") == 1
+    proc = subprocess.Popen(_train(killed, data, "--loader", "device"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _await(proc, lambda: (killed / "checkpoints" / "2").is_dir() and _logged(killed) >= 3)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL  # it was running when the kill landed
+    saved = launcher.resume_step(["train", "--out", str(killed)])
+    assert saved in (2, 4), saved
+    resumed = subprocess.run(_train(killed, data, "--loader", "device"), capture_output=True,
+                             text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"twinstep train: resumed from step {saved}\n" in resumed.stdout, resumed.stdout
+    a, b = jax.tree.leaves(load_state(whole)), jax.tree.leaves(load_state(killed))
+    assert len(a) == len(b) > 400 and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_loader_is_refused_where_it_cannot_read_and_is_part_of_a_run(tmp_path):
+    import json
+    import os
+
+    from twinstep import UsageError
+    from twinstep.training.config import TrainConfig, check_run_dir
+
+    with pytest.raises(UsageError, match="--loader device decodes images"):
+        TrainConfig("mnv4in_adamdp4", str(tmp_path / "a"), loader="device")
+    with pytest.raises(UsageError, match="unknown --loader"):
+        TrainConfig("mnv4in_adamdp4", str(tmp_path / "a"), loader="opencv")
+    root = write_folder(str(tmp_path / "data"))
+    run = TrainConfig("mnv4in_adamdp4", str(tmp_path / "run"), data=root, replicas=2)
+    assert check_run_dir(run) is False
+    config = {k: v for k, v in run.__dict__.items() if k != "loader"}  # a run before --loader
+    config["resolved_recipe"] = run.parsed_recipe().__dict__
+    with open(os.path.join(run.out, "config.json"), "w") as f:
+        json.dump(config, f, default=str)
+    assert check_run_dir(run) is True  # recorded no loader: it had the default
+    other = TrainConfig("mnv4in_adamdp4", run.out, data=root, replicas=2, loader="device")
+    with pytest.raises(UsageError, match="loader = 'pillow', not 'device'"):
+        check_run_dir(other)
 
 
 def test_the_blend_is_pillows_for_every_pair_of_levels():

@@ -25,7 +25,7 @@ def test_a_tier_is_read_as_pytest_reads_it():
     expressions = tiers.marker_expressions()
     fast, ci = expressions["test-fast"], expressions["test"]
     assert tiers.selected(fast, set()) and tiers.selected(ci, set())
-    for marker in ("slow", "oracle", "iree", "dali", "all"):  # each leaves test-fast
+    for marker in ("slow", "oracle", "iree", "nvimgcodec", "all"):  # each leaves test-fast
         assert not tiers.selected(fast, {marker}), marker
-    assert tiers.selected(ci, {"slow", "oracle", "iree", "dali"})
+    assert tiers.selected(ci, {"slow", "oracle", "iree", "nvimgcodec"})
     assert not tiers.selected(ci, {"slow", "all"}) and tiers.selected(None, {"all"})

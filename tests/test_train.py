@@ -90,7 +90,7 @@ def _train(out, data, *extra):
 
 @pytest.mark.slow
 @pytest.mark.oracle  # the exported weights in timm
-@pytest.mark.xdist_group("folder-run")  # its programs are the DALI run's (tests/test_dali.py)
+@pytest.mark.xdist_group("folder-run")  # its step is the device loader run's (test_device.py)
 def test_a_run_killed_and_resumed_ends_bit_for_bit_where_an_uninterrupted_one_does(tmp_path):
     """On an image folder through timm's transforms, RandAugment, mixup / CutMix and an image
     that does not decode: the uninterrupted run reads with 2 loader processes, the killed and

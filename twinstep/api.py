@@ -190,10 +190,6 @@ def train(recipe: str, out: str, progress=None, warn=None, **config) -> dict:
 
     cfg = TrainConfig(recipe, out, **config)
     disk.check_writable_folder(out, "--out")
-    if cfg.loader == "dali":
-        from twinstep.data import dali
-
-        dali.prepare_xla()
     devices(cfg.replicas)
     with _x64(cfg.precision):
         return loop.run(cfg, progress, warn)

@@ -96,15 +96,14 @@ def _loader_options(p, default: dict) -> None:
     p.add_argument("--workers", type=options.int_in(0, MAX_WORKERS + 1),
                    default=default["workers"], metavar="W",
                    help=f"loader processes decoding and augmenting images (default "
-                        f"{default['workers']}: one background thread), or DALI's threads with "
-                        f"--loader dali; never changes the result")
+                        f"{default['workers']}: one background thread); never changes the "
+                        f"result")
     p.add_argument("--loader", choices=LOADERS, default=default["loader"],
                    help="who decodes and augments an image folder: 'pillow' (timm's transforms, "
-                        "pixel for pixel), 'device' (nvImageCodec decodes the crop on the "
-                        "host; the resize and RandAugment run on the devices, in the step's "
-                        "prepare program; the [nvimgcodec] extra; docs/training.md#device-"
-                        "loader) or 'dali' (NVIDIA DALI, on the GPU when there is one; the "
-                        "[dali] extra; docs/training.md#dali). Default "
+                        "pixel for pixel, on the host) or 'device' (nvImageCodec decodes the "
+                        "crop on the host; the resize and RandAugment run on the devices, in "
+                        "the step's prepare program; the [nvimgcodec] extra; "
+                        "docs/training.md#device-loader). Default "
                         f"{default['loader']}")
     p.add_argument("--randaugment", type=options.int_in(0, 31), metavar="M",
                    help="RandAugment rand-mM-mstd0.5-inc1 on an image folder (default: the "

@@ -210,7 +210,6 @@ class Device:
     [n, C, C, 3] uint8 each (the crop at its top left) and a plan [n, P] (`Layout`)."""
 
     augments = True
-    threads_are_workers = False
 
     def __init__(self, splits, res: int, eval_res: int | None = None,
                  canvas: int | None = None):
@@ -362,7 +361,6 @@ class Device:
         return folder.kind(self.val)
 
 
-def make(splits, res: int, threads: int = 0, eval_res: int | None = None) -> Device:
-    """The `twinstep.data.sources.Source` of ``splits``; no threads of its own (the loader's
-    workers are processes: `twinstep.data.loader.stream`)."""
+def make(splits, res: int, eval_res: int | None = None) -> Device:
+    """The `twinstep.data.sources.Source` of ``splits``."""
     return Device(splits, res, eval_res)

@@ -43,7 +43,7 @@ class Split:
         return load(self.paths[i])
 
     def encoded(self, i: int) -> bytes:
-        """Image i's file as stored (what a decoder elsewhere, DALI's, reads)."""
+        """Image i's file as stored (what a decoder other than Pillow, nvImageCodec's, reads)."""
         with open(self.paths[i], "rb") as f:
             return f.read()
 

@@ -105,7 +105,7 @@ def stream(make, start: int, stop: int, workers: int):
 def train_stream(src, augment, seed, start, stop, micro, rows, workers, part=None):
     """train_batch for the steps [start, stop), in order."""
     return stream(functools.partial(_train_item, src, augment, seed, micro, rows, part),
-                  start, stop, _processes(src, workers))
+                  start, stop, workers)
 
 
 def _train_item(src, augment, seed, micro, rows, part, step):
@@ -114,9 +114,4 @@ def _train_item(src, augment, seed, micro, rows, part, step):
 
 def val_stream(src, rows: int, workers: int, part: slice | None = None):
     return stream(functools.partial(val_batch, src, rows, part=part), 0,
-                  val_batch_count(src, rows), _processes(src, workers))
-
-
-def _processes(src, workers: int) -> int:
-    """Worker processes for ``src``: none where its threads are its workers (DALI)."""
-    return 0 if src.threads_are_workers else workers
+                  val_batch_count(src, rows), workers)

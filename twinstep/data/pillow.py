@@ -14,7 +14,6 @@ class Pillow:
     train crops at S x S with the recipe's RandAugment, val crops at ``eval_res`` (default S)."""
 
     augments = True
-    threads_are_workers = False
 
     def __init__(self, splits, res: int, eval_res: int | None = None):
         self.train, self.val = splits
@@ -58,9 +57,9 @@ class Pillow:
         return folder.kind(self.val)
 
 
-def make(splits, res: int, threads: int = 0, eval_res: int | None = None) -> Pillow:
-    """The `twinstep.data.sources.Source` of ``splits``; Pillow has no threads of its own (the
-    loader's workers are processes: `twinstep.data.loader.stream`)."""
+def make(splits, res: int, eval_res: int | None = None) -> Pillow:
+    """The `twinstep.data.sources.Source` of ``splits`` (the loader's workers decode it, as
+    processes: `twinstep.data.loader.stream`)."""
     return Pillow(splits, res, eval_res)
 
 

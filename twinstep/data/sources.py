@@ -3,9 +3,9 @@ decoded by a loader — chosen once from ``--data`` and ``--loader`` (`get_sourc
 
 A dataset format is how its splits are opened (`FORMATS`: a packed folder, an ImageFolder
 tree); a loader is who decodes and augments their images (`LOADERS`: Pillow through timm's
-transforms; nvImageCodec with the resize and RandAugment on the devices; DALI). A new format
-or loader is a module of its own and one row of its table; the trainer, its evaluation and
-its loader processes see only `Source`.
+transforms; nvImageCodec with the resize and RandAugment on the devices). A new format or
+loader is a module of its own and one row of its table; the trainer, its evaluation and its
+loader processes see only `Source`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ class Source(Protocol):
     train_labels: np.ndarray  # [images] int32, in index order
     val_labels: np.ndarray  # [images] int32
     augments: bool  # whether the recipe's RandAugment and mix apply (the digits: never)
-    threads_are_workers: bool  # --workers W are its own threads: no loader processes
 
     def train_rows(self, idx: np.ndarray, seed: int, step: int, row_ids: np.ndarray,
                    augment: Augment) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -79,7 +78,6 @@ class Digits:
     float32; no augmentation: a flipped or cropped digit is another digit)."""
 
     augments = False
-    threads_are_workers = False
 
     def __init__(self, res: int, eval_res: int | None = None):
         self.res, self.eval_res = res, eval_res or res
@@ -116,10 +114,9 @@ FORMATS = {"packed": Format(packed.is_packed, packed.open_splits),
 
 
 # --loader NAME: the module of the loader, imported when chosen. Each has ``make(splits, S,
-# threads, E) -> Source`` (threads: its own, where it runs them) and ``unavailable() -> str |
-# None`` (why it cannot run here)
-LOADERS = {"pillow": "twinstep.data.pillow", "device": "twinstep.data.device",
-           "dali": "twinstep.data.dali"}
+# eval_res=E) -> Source`` and ``unavailable() -> str | None`` (why it cannot run here); its
+# --workers are the loader's processes (`twinstep.data.loader.stream`), never its own
+LOADERS = {"pillow": "twinstep.data.pillow", "device": "twinstep.data.device"}
 DEFAULT_LOADER = "pillow"  # the digits are arrays: only the default reads them
 
 
@@ -155,12 +152,11 @@ def train_size(data: str) -> int:
     return len(_format(data).splits(data)[0])
 
 
-def get_source(data: str, res: int, loader: str = DEFAULT_LOADER, threads: int = 0,
+def get_source(data: str, res: int, loader: str = DEFAULT_LOADER,
                eval_res: int | None = None) -> Source:
-    """``data`` — "digits", or a path in one of `FORMATS` — read by ``loader`` (`LOADERS`) on
-    ``threads`` threads where it has its own (DALI; Pillow's workers are the stream's
-    processes): train crops at ``res``, val crops at ``eval_res`` (default ``res``)."""
+    """``data`` — "digits", or a path in one of `FORMATS` — read by ``loader`` (`LOADERS`):
+    train crops at ``res``, val crops at ``eval_res`` (default ``res``)."""
     check(data, loader)
     if data == DIGITS:
         return Digits(res, eval_res)
-    return _loader(loader).make(_format(data).splits(data), res, threads, eval_res)
+    return _loader(loader).make(_format(data).splits(data), res, eval_res=eval_res)

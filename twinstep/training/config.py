@@ -53,7 +53,7 @@ class TrainConfig:
     precision: str | None = None  # None: bf16 with the recipe's bf16 token, else f32
     seed: int = 0
     workers: int = 0  # loader processes (0: a background thread); results do not depend on it
-    loader: str = "pillow"  # or "dali" (sources.LOADERS): who decodes and augments a folder
+    loader: str = "pillow"  # or "device" (sources.LOADERS): who decodes and augments a folder
     randaugment: int | None = None  # these three: None keeps the recipe's (recipes.Recipe)
     mixup: float | None = None
     cutmix: float | None = None
