@@ -13,7 +13,7 @@ from twinstep.cli import main
 from twinstep.cli.recipe import describe
 from twinstep.nets import NETS
 from twinstep.presets import IMAGENET_TRAIN_IMAGES, PRESETS, REFERENCE_NAMES
-from twinstep.recipes import Recipe, RecipeError, parse
+from twinstep.recipes import Recipe, UsageError, parse
 
 # name -> the fields it must decode to (the rest: the dataclass defaults)
 EXPECTED = {
@@ -137,7 +137,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize("name,piece", MALFORMED)
 def test_malformed_names_name_the_token(name, piece):
-    with pytest.raises(RecipeError) as e:
+    with pytest.raises(UsageError) as e:
         parse(name)
     prefix = f"bad recipe name {name!r}: "
     assert str(e.value).startswith(prefix)
@@ -157,7 +157,7 @@ def test_incoherent_recipes_rejected():
                 dict(net="mnv4", optimizer="lamb", weight_decay=10.0),
                 dict(net="mnv4", optimizer="lamb", ema_warmup="fast"),
                 dict(net="mnv4", optimizer="lamb", warmup_steps=200, total_steps=100)):
-        with pytest.raises(RecipeError):
+        with pytest.raises(UsageError):
             Recipe(**bad)
 
 
@@ -215,7 +215,7 @@ def test_cli_json(capsys):
 def test_cli_bad_name(capsys):
     assert main(["recipe", "resnet50in_lambfoo"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("twinstep: bad recipe name 'resnet50in_lambfoo': unknown token 'foo'")
+    assert err.startswith("twinstep recipe: bad recipe name 'resnet50in_lambfoo': unknown token 'foo'")
     assert err.count("\n") == 1
 
 

@@ -27,10 +27,7 @@ def parse_recipe(name: str):
     """The `twinstep.recipes.Recipe` a recipe name or preset stands for."""
     from twinstep import recipes
 
-    try:
-        return recipes.parse(name)
-    except recipes.RecipeError as e:
-        raise UsageError(str(e)) from None
+    return recipes.parse(name)
 
 
 recipe = parse_recipe  # twinstep.recipe(name)

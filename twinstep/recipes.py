@@ -13,6 +13,7 @@ import re
 from decimal import Decimal
 
 from twinstep.defaults import EMA_DECAY, EMA_WARMUPS, LABEL_SMOOTHING
+from twinstep.errors import UsageError
 from twinstep.nets import NETS
 
 DATASETS = {"in": "ImageNet-1k"}
@@ -23,13 +24,9 @@ DEFAULT_WEIGHT_DECAY = {"lamb": 0.02, "adamw": 0.05, "momentum": 1e-4, "sgd": 1e
 DEFAULT_BATCH = 32
 
 
-class RecipeError(ValueError):
-    """A malformed recipe name or an incoherent recipe."""
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
-    """One training configuration; checks itself on construction (RecipeError). The fields up
+    """One training configuration; checks itself on construction (UsageError). The fields up
     to `bf16` are the name's; `Recipe.name` is lossy for the rest (a preset's name parses back
     to a recipe with the default lr, epochs, ...). `lr` None takes `DEFAULT_LR`'s and
     `drop_path_rate` None the net's (`twinstep.nets.Net.DROP_PATH_RATE`): both are floats after
@@ -72,7 +69,7 @@ class Recipe:
 
     def __post_init__(self):
         def fail(msg):
-            raise RecipeError(f"bad recipe: {msg}")
+            raise UsageError(f"bad recipe: {msg}")
 
         def put(field, value):
             object.__setattr__(self, field, value)
@@ -221,7 +218,7 @@ def _tokenize(name: str, tail: str, after: str) -> dict[str, re.Match]:
     """The step tokens of `tail` by label, checking order, repetition and unknown text."""
 
     def fail(msg):
-        raise RecipeError(f"bad recipe name {name!r}: {msg}")
+        raise UsageError(f"bad recipe name {name!r}: {msg}")
 
     found: dict[str, re.Match] = {}
     pos, nxt = 0, 0  # nxt: the first STEP_TOKENS index still allowed
@@ -249,16 +246,16 @@ MAX_DIGITS = 5  # integers in a name (res, k, N) below 100000
 
 def _read_int(name: str, token: str, digits: str) -> int:
     if len(digits) > MAX_DIGITS:
-        raise RecipeError(f"bad recipe name {name!r}: token {token!r} is too large "
+        raise UsageError(f"bad recipe name {name!r}: token {token!r} is too large "
                           f"(at most {MAX_DIGITS} digits)")
     if str(int(digits)) != digits:
-        raise RecipeError(f"bad recipe name {name!r}: token {token!r} has a leading zero")
+        raise UsageError(f"bad recipe name {name!r}: token {token!r} has a leading zero")
     return int(digits)
 
 
 def _parse_grammar(name: str) -> Recipe:
     def fail(msg):
-        raise RecipeError(f"bad recipe name {name!r}: {msg}")
+        raise UsageError(f"bad recipe name {name!r}: {msg}")
 
     if not name:
         fail(f"empty; expected {GRAMMAR}")
@@ -324,7 +321,7 @@ def _parse_grammar(name: str) -> Recipe:
 
 
 def parse(name: str) -> Recipe:
-    """The recipe a grammar name (or a preset's name) stands for; RecipeError names the token
+    """The recipe a grammar name (or a preset's name) stands for; UsageError names the token
     that is wrong."""
     from twinstep.presets import PRESETS  # the table builds Recipes: imported when used
 

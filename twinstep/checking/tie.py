@@ -103,10 +103,7 @@ class TieConfig:
         object.__setattr__(self, "state", self.state or defaults["state"])
 
     def parsed_recipe(self) -> recipes.Recipe:
-        try:
-            return recipes.parse(self.recipe)
-        except recipes.RecipeError as e:
-            raise UsageError(str(e)) from None
+        return recipes.parse(self.recipe)
 
 
 def _check_steps_config(cfg: TieConfig, recipe) -> None:

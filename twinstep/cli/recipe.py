@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 
 from twinstep import presets, recipes
 from twinstep.cli import options
@@ -38,11 +37,7 @@ def run(args, parser) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    try:
-        r = recipes.parse(args.name)
-    except recipes.RecipeError as e:
-        print(f"twinstep: {e}", file=sys.stderr)
-        return 2
+    r = recipes.parse(args.name)
     if args.json:
         d = {"name": r.name, **dataclasses.asdict(r), "train_res": r.train_res,
              "test_res": r.test_res, "loss": r.loss,

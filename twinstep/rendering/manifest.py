@@ -15,7 +15,7 @@ import twinstep
 from twinstep import dp, recipes
 from twinstep.collectives import CONTROLS, SITES, grad_buckets
 from twinstep.defaults import MAX_REPLICAS
-from twinstep.errors import RenderError
+from twinstep.errors import RenderError, UsageError
 from twinstep.nets import get_net, layers
 from twinstep.ops.precision import NAMES as PRECISIONS
 from twinstep.ops.precision import get_precision
@@ -145,7 +145,7 @@ def check(manifest, where: str) -> recipes.Recipe:
             raise RenderError(f"{where}: {key} = {manifest[key]!r}; expected one of {allowed}")
     try:
         recipe = recipes.parse(manifest["name"])
-    except recipes.RecipeError as e:
+    except UsageError as e:
         raise RenderError(f"{where}: {e}") from None
     fields = {"recipe": recipe.name, "net": recipe.net, "batch": recipe.batch,
               "accum": recipe.accum, "global_batch": manifest["replicas"] * recipe.batch}

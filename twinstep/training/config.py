@@ -128,10 +128,7 @@ class TrainConfig:
         resolution only at its own train resolution — and a preset's epochs, else SMOKE_STEPS
         steps; N the recipe's; bf16 with its bf16 token, else f32. ``chosen``: {field: where
         its value came from}."""
-        try:
-            r = recipes.parse(self.recipe)
-        except recipes.RecipeError as e:
-            raise UsageError(str(e)) from None
+        r = recipes.parse(self.recipe)
         recipe_s, train_s = "the recipe's", "the train res"
         if self.data == "digits":
             picks = {"res": (DIGITS_RES, "the digits' default"),
@@ -198,15 +195,12 @@ class TrainConfig:
         schedule."""
         if self.artifact is not None:
             return recipes.parse(self.recipe)
-        try:
-            r = recipes.parse(self.recipe)
-            given = {f: getattr(self, f) for f in AUGMENT_FIELDS if getattr(self, f) is not None}
-            # the recipe's warmup share (a preset's 5 epochs of its length, a name's tenth)
-            return dataclasses.replace(r, batch=self.batch or r.batch, total_steps=self.steps,
-                                       warmup_steps=self.steps * r.warmup_steps // r.total_steps,
-                                       warmup_lr=min(WARMUP_LR, r.lr), **given)
-        except recipes.RecipeError as e:
-            raise UsageError(str(e)) from None
+        r = recipes.parse(self.recipe)
+        given = {f: getattr(self, f) for f in AUGMENT_FIELDS if getattr(self, f) is not None}
+        # the recipe's warmup share (a preset's 5 epochs of its length, a name's tenth)
+        return dataclasses.replace(r, batch=self.batch or r.batch, total_steps=self.steps,
+                                   warmup_steps=self.steps * r.warmup_steps // r.total_steps,
+                                   warmup_lr=min(WARMUP_LR, r.lr), **given)
 
     @property
     def rows(self) -> int:

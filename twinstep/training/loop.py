@@ -223,10 +223,7 @@ def _render_program(cfg: TrainConfig, prog, classes: int):
     checked by `twinstep.rendering.reader.load`)."""
     from twinstep.rendering import reader
 
-    try:
-        exported, manifest = reader.load(cfg.artifact)
-    except reader.RenderError as e:
-        raise UsageError(str(e)) from None
+    exported, manifest = reader.load(cfg.artifact)  # RenderError: a UsageError
     if manifest["classes"] != classes:
         raise UsageError(f"--artifact {cfg.artifact} was rendered for {manifest['classes']} "
                          f"classes; the data has {classes}")
