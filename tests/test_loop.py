@@ -310,6 +310,15 @@ def oracle(request, tmp_path_factory):
     shutil.rmtree(tmp)  # ~8 GB of checkpoints
 
 
+def test_the_loop_oracle_holds_every_optimizer():
+    """Each optimizer of the catalogue (`twinstep.recipes.OPTIMIZERS`) has a loop against timm's
+    in SETTINGS: a row added without one fails here."""
+    from twinstep import recipes
+
+    held = {recipes.parse(name).optimizer for name, _, _ in SETTINGS.values()}
+    assert held == set(recipes.OPTIMIZERS), set(recipes.OPTIMIZERS) - held
+
+
 def test_the_loop_is_timms_every_tensor_every_step(oracle):
     kind, recipe, found = oracle[0], oracle[1].recipe, oracle[1].found["none"]
     rows, lrs = found["rows"], found["lr"]

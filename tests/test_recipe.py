@@ -3,6 +3,8 @@ malformed names are rejected naming the offending token, the presets and the CLI
 
 import dataclasses
 import json
+import os
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -215,7 +217,8 @@ def test_cli_json(capsys):
 def test_cli_bad_name(capsys):
     assert main(["recipe", "resnet50in_lambfoo"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("twinstep recipe: bad recipe name 'resnet50in_lambfoo': unknown token 'foo'")
+    assert err.startswith("twinstep recipe: bad recipe name 'resnet50in_lambfoo': unknown token "
+                          "'foo'")
     assert err.count("\n") == 1
 
 
@@ -228,3 +231,26 @@ def test_cli_help_lists_grammar_and_presets(capsys):
     with pytest.raises(SystemExit) as e:
         main(["recipe", "rsb-a1", "--replicas", "0"])
     assert e.value.code == 2
+
+
+def test_each_optimizer_is_one_row_that_the_grammar_and_the_docs_follow():
+    """twinstep.recipes.OPTIMIZERS is the catalogue: each row's token parses to it and back, its
+    default lr and weight decay are a recipe's, `twinstep recipe` prints its text, and the
+    docs' tables (docs/recipes.md: the <opt> token, the defaults) name its token and values."""
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "recipes.md")).read()
+    rows: dict = {}  # a table's rows by their first cell (the grammar's table first)
+    for line in docs.splitlines():
+        if line.startswith("| "):
+            rows.setdefault(line.split("|")[1].strip(), line)
+    for kind, row in recipes.OPTIMIZERS.items():
+        r = parse(f"resnet50in_{row.token}")
+        assert r.optimizer == kind and r.name == f"resnet50in_{row.token}"
+        assert (r.lr, r.effective_weight_decay) == (row.lr, row.weight_decay)
+        assert dict(describe(r))["optimizer"] == f"{kind} ({row.text})"
+        assert f"`{row.token}`" in rows["`<opt>`"], row.token
+        assert row.lr in _numbers(rows["learning rate"]), (kind, row.lr)
+        assert row.weight_decay in _numbers(rows["weight decay (when there is no `wd` token)"])
+
+
+def _numbers(text: str) -> set[float]:
+    return {float(x) for x in re.findall(r"\d[\d.]*(?:e-?\d+)?", text)}

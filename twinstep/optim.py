@@ -2,7 +2,8 @@
 update, and the LR.
 
 Parameters, gradients and updates are flat dicts {timm name: array}; every optimizer is one
-``optax.chain`` of optax's own transforms:
+``optax.chain`` of optax's own transforms, composed from its row of the catalogue
+(`twinstep.recipes.OPTIMIZERS`: its ε, momentum, trust ratio):
 
   kind      timm / torch                       chain (after the recipe's optional clip)
   lamb      timm Lamb (β .9/.999, ε 1e-6)      clip_by_global_norm(1), scale_by_adam,
@@ -36,16 +37,17 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 
-KINDS = ("lamb", "adamw", "momentum", "sgd")
+from twinstep.defaults import BETAS, MOMENTUM
+from twinstep.recipes import OPTIMIZERS
+
+KINDS = tuple(OPTIMIZERS)
 # Kinds that take a norm of every tensor (LAMB's trust ratio ||θ|| / ||r||): with the optimizer
 # state in slices over R replicas each such norm is a scalar collective, two per tensor (466 for
 # MobileNetV4) where a whole state needs none — these keep the whole optimizer state on every
 # replica (`twinstep.program.train_program`).
-PER_TENSOR_NORMS = ("lamb",)
+PER_TENSOR_NORMS = tuple(k for k, o in OPTIMIZERS.items() if o.trust_ratio)
 CLIP_NORM = 1.0
-MOMENTUM = 0.9
-BETAS = (0.9, 0.999)
-EPS = {"lamb": 1e-6, "adamw": 1e-8}
+EPS = {k: o.eps for k, o in OPTIMIZERS.items() if o.eps is not None}  # the Adams' ε
 
 
 def decay_mask(params: dict, wx: bool) -> dict[str, bool]:
@@ -105,22 +107,22 @@ def make_optimizer(kind: str, learning_rate, weight_decay: float, wx: bool, clip
     clip_grad_norm_ at 1.0 first (`clip_grad_norm`; LAMB clips inside too, as timm's Lamb).
     params: only their names and shapes are read (arrays or ShapeDtypeStructs).
     """
-    if kind not in KINDS:
+    if kind not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
+    row = OPTIMIZERS[kind]
     mask = decay_mask(params, wx)
     decay = [optax.add_decayed_weights(weight_decay, mask)] if weight_decay else []
     chain = [clip_grad_norm(CLIP_NORM)] if clip else []
-    if kind == "lamb":
-        # timm adapts a tensor iff its group's weight decay is non-zero (always_adapt=False)
-        adapt = mask if weight_decay else {n: False for n in mask}
-        chain += [optax.clip_by_global_norm(CLIP_NORM),  # Lamb's own, max_grad_norm=1.0
-                  optax.scale_by_adam(*BETAS, eps=EPS[kind]), *decay]
-        if any(adapt.values()):
-            chain.append(optax.masked(optax.scale_by_trust_ratio(), adapt))
-    elif kind == "adamw":
-        chain += [optax.scale_by_adam(*BETAS, eps=EPS[kind]), *decay]
+    if row.trust_ratio:
+        chain.append(optax.clip_by_global_norm(CLIP_NORM))  # timm Lamb's own, max_grad_norm=1
+    if row.eps is not None:
+        chain += [optax.scale_by_adam(*BETAS, eps=row.eps), *decay]
     else:
-        chain += [*decay, optax.trace(decay=MOMENTUM, nesterov=kind == "sgd")]
+        chain += [*decay, optax.trace(decay=MOMENTUM, nesterov=row.nesterov)]
+    # timm adapts a tensor iff its group's weight decay is non-zero (always_adapt=False)
+    adapt = mask if weight_decay else {n: False for n in mask}
+    if row.trust_ratio and any(adapt.values()):
+        chain.append(optax.masked(optax.scale_by_trust_ratio(), adapt))
     chain.append(optax.scale_by_learning_rate(learning_rate))
     return optax.chain(*chain)
 

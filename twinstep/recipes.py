@@ -12,23 +12,57 @@ import dataclasses
 import re
 from decimal import Decimal
 
-from twinstep.defaults import EMA_DECAY, EMA_WARMUPS, LABEL_SMOOTHING
+from twinstep.defaults import BETAS, EMA_DECAY, EMA_WARMUPS, LABEL_SMOOTHING, MOMENTUM
 from twinstep.errors import UsageError
 from twinstep.nets import NETS
 
 DATASETS = {"in": "ImageNet-1k"}
-OPTIMIZERS = {  # optimizer -> its name token ("" for AdamW with accumulation: "acc" alone)
-    "lamb": "lamb", "adamw": "adam", "momentum": "mom", "sgd": "sgd"}
-DEFAULT_LR = {"lamb": 5e-3, "adamw": 4e-3, "momentum": 0.1, "sgd": 0.1}
-DEFAULT_WEIGHT_DECAY = {"lamb": 0.02, "adamw": 0.05, "momentum": 1e-4, "sgd": 1e-4}
 DEFAULT_BATCH = 32
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Optimizer:
+    """One optimizer of the recipes: what its name token, defaults and update are. Its optax
+    chain is composed from these fields (`twinstep.optim.make_optimizer`)."""
+
+    token: str  # in a recipe name (AdamW with accumulation is "acc" alone)
+    lr: float  # the peak learning rate when a recipe gives none
+    weight_decay: float  # when the name has no wd token
+    eps: float | None = None  # an Adam's ε (its moments scale the update); None: SGD's momentum
+    nesterov: bool = False  # SGD: Nesterov's momentum, else heavy-ball
+    trust_ratio: bool = False  # LAMB: the per-tensor trust ratio, and its own clip inside
+    what: str  # its name
+    note: str = ""  # what sets it apart
+
+    @property
+    def text(self) -> str:
+        """One line: what it is, with its hyper-parameters (`twinstep recipe`)."""
+        if self.eps is not None:
+            eps = f"{self.eps:.0e}".replace("e-0", "e-")
+            return f"{self.what}: β {BETAS[0]:g}/{BETAS[1]:g}, ε {eps}" + \
+                (f", {self.note}" if self.note else "")
+        momentum = "Nesterov" if self.nesterov else "heavy-ball"
+        return f"{self.what}, {momentum} momentum {MOMENTUM:g}" + \
+            (f" ({self.note})" if self.note else "")
+
+
+# the catalogue: a new optimizer is a row here (and, if its update is new, its chain there)
+OPTIMIZERS = {
+    "lamb": Optimizer(token="lamb", lr=5e-3, weight_decay=0.02, eps=1e-6, trust_ratio=True,
+                      what="LAMB", note="per-tensor trust ratio"),
+    "adamw": Optimizer(token="adam", lr=4e-3, weight_decay=0.05, eps=1e-8, what="AdamW",
+                       note="decoupled decay"),
+    "momentum": Optimizer(token="mom", lr=0.1, weight_decay=1e-4, what="SGD"),
+    "sgd": Optimizer(token="sgd", lr=0.1, weight_decay=1e-4, nesterov=True, what="SGD",
+                     note="timm --opt sgd"),
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
     """One training configuration; checks itself on construction (UsageError). The fields up
     to `bf16` are the name's; `Recipe.name` is lossy for the rest (a preset's name parses back
-    to a recipe with the default lr, epochs, ...). `lr` None takes `DEFAULT_LR`'s and
+    to a recipe with the default lr, epochs, ...). `lr` None takes the optimizer's and
     `drop_path_rate` None the net's (`twinstep.nets.Net.DROP_PATH_RATE`): both are floats after
     construction (pass None to `dataclasses.replace` to re-derive them). The schedule defaults
     to a smoke run's, 10 warmup steps of 100; the presets set the real one (docs/recipes.md)."""
@@ -36,7 +70,7 @@ class Recipe:
     net: str
     dataset: str = "in"
     res: int | None = None  # None: the net's default train resolution, omitted from the name
-    optimizer: str  # lamb | adamw | momentum | sgd
+    optimizer: str  # a key of OPTIMIZERS
     accum: int = 1  # k micro-steps per optimizer step
     dp: bool = False  # data-parallel with sync-BN
     batch: int = DEFAULT_BATCH  # N per replica
@@ -83,7 +117,7 @@ class Recipe:
         if self.ema_warmup not in EMA_WARMUPS:
             fail(f"ema_warmup {self.ema_warmup!r}; expected one of: {', '.join(EMA_WARMUPS)}")
         if self.lr is None:
-            put("lr", DEFAULT_LR[self.optimizer])
+            put("lr", OPTIMIZERS[self.optimizer].lr)
         if self.drop_path_rate is None:
             put("drop_path_rate", NETS[self.net].DROP_PATH_RATE)
         for field in ("label_smoothing", "weight_decay", "lr", "drop_path_rate", "dropout_rate",
@@ -118,7 +152,7 @@ class Recipe:
         k = self.accum
         parts = [self.net, self.dataset, "" if self.res is None else str(self.res), "_",
                  "ema" if self.ema else "",
-                 "" if self.optimizer == "adamw" and k > 1 else OPTIMIZERS[self.optimizer],
+                 "" if self.optimizer == "adamw" and k > 1 else OPTIMIZERS[self.optimizer].token,
                  "acc" if k > 1 else "", "dp" if self.dp else "", f"{k}x" if k > 1 else "",
                  "" if self.batch == DEFAULT_BATCH else str(self.batch),
                  "wx" if self.wx else "", "clip" if self.clip else "",
@@ -147,10 +181,10 @@ class Recipe:
 
     @property
     def effective_weight_decay(self) -> float:
-        """The name's wd, else the optimizer's default (LAMB 0.02 as RSB A2/A3, AdamW 0.05 as
-        timm's default, SGD 1e-4 as the classic ResNet recipe)."""
+        """The name's wd, else the optimizer's default (`Optimizer.weight_decay`: LAMB's as RSB
+        A2/A3, AdamW's as timm's default, SGD's as the classic ResNet recipe)."""
         wd = self.weight_decay
-        return DEFAULT_WEIGHT_DECAY[self.optimizer] if wd is None else wd
+        return OPTIMIZERS[self.optimizer].weight_decay if wd is None else wd
 
     @property
     def effective_label_smoothing(self) -> float:
@@ -181,7 +215,7 @@ def _read_decimal(digits: str) -> float:
 # the one before it.
 STEP_TOKENS = (
     ("ema", re.compile("ema")),
-    ("<opt>", re.compile("lamb|adam|mom|sgd")),
+    ("<opt>", re.compile("|".join(re.escape(o.token) for o in OPTIMIZERS.values()))),
     ("acc", re.compile("acc")),
     ("dp", re.compile("dp")),
     ("<k>x", re.compile(r"(\d+)x")),
@@ -195,13 +229,14 @@ STEP_TOKENS = (
     ("wd<d>", re.compile(r"wd(\d*)")),
     ("bf16", re.compile("bf16")),
 )
+_TOKENS = ", ".join(o.token for o in OPTIMIZERS.values())
 GRAMMAR = ("<net><data>[<res>]_[ema]<opt>[acc][dp][<k>x][<N>][wx][clip][drop][do][bce][ls<a>]"
            "[wd<d>][bf16]")
 
 
 def _expected(start: int) -> str:
     labels = [label for label, _ in STEP_TOKENS[start:]]
-    return ", ".join("lamb, adam, mom, sgd" if x == "<opt>" else x for x in labels)
+    return ", ".join(_TOKENS if x == "<opt>" else x for x in labels)
 
 
 def _longest(s: str, pos: int):
@@ -280,7 +315,7 @@ def _parse_grammar(name: str) -> Recipe:
 
     opt, acc, kx = tok.get("<opt>"), tok.get("acc"), tok.get("<k>x")
     if opt is None and acc is None:
-        fail(f"no optimizer after {head + '_'!r}; expected one of: lamb, adam, mom, sgd, "
+        fail(f"no optimizer after {head + '_'!r}; expected one of: {_TOKENS}, "
              "or 'acc' alone for AdamW with accumulation")
     if opt is not None and opt.group() == "adam" and acc is not None:
         fail("token 'adam' before 'acc': AdamW with accumulation is written 'acc' alone")
@@ -313,7 +348,7 @@ def _parse_grammar(name: str) -> Recipe:
         if _decimal_digits(value) != digits:
             fail(f"token {text!r} is not canonical; write {text[:2] + _decimal_digits(value)!r}")
         decimals[field] = value
-    optimizer = "adamw" if opt is None else {t: o for o, t in OPTIMIZERS.items()}[opt.group()]
+    optimizer = "adamw" if opt is None else {o.token: k for k, o in OPTIMIZERS.items()}[opt.group()]
     return Recipe(net=net, dataset=dataset, res=res, optimizer=optimizer, accum=accum,
                   dp="dp" in tok, batch=batch, wx="wx" in tok, clip="clip" in tok,
                   drop="drop" in tok, dropout="do" in tok, bce="bce" in tok,

@@ -11,12 +11,6 @@ from twinstep import presets, recipes
 from twinstep.cli import options
 from twinstep.data.transforms import CROP_PCT
 
-OPTIMIZER_TEXT = {
-    "lamb": "LAMB: β 0.9/0.999, ε 1e-6, per-tensor trust ratio",
-    "adamw": "AdamW: β 0.9/0.999, ε 1e-8, decoupled decay",
-    "momentum": "SGD, heavy-ball momentum 0.9",
-    "sgd": "SGD, Nesterov momentum 0.9 (timm --opt sgd)"}
-
 
 def add(p) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -74,9 +68,9 @@ def describe(recipe: recipes.Recipe, replicas: int | None = None) -> list[tuple[
         ("res", f"{r.train_res}" + (" (the net's default)" if r.res is None else "")),
         ("eval_res", f"{r.test_res}" + (" (the train res)" if r.eval_res is None else "")
          + f", centre crop {CROP_PCT:g}"),
-        ("optimizer", f"{r.optimizer} ({OPTIMIZER_TEXT[r.optimizer]})"),
+        ("optimizer", f"{r.optimizer} ({recipes.OPTIMIZERS[r.optimizer].text})"),
         ("lr", f"{r.lr:g}" + (" (the optimizer's default)"
-                               if r.lr == recipes.DEFAULT_LR[r.optimizer] else "")),
+                               if r.lr == recipes.OPTIMIZERS[r.optimizer].lr else "")),
         ("weight_decay", f"{wd:g}" + (" (the optimizer's default)" if r.weight_decay is None
                                       else "")),
         ("wx", yes(r.wx, "yes: no weight decay on 1-D tensors")),
