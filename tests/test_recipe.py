@@ -14,8 +14,8 @@ from twinstep import recipes
 from twinstep.cli import main
 from twinstep.cli.recipe import describe
 from twinstep.nets import NETS
-from twinstep.presets import IMAGENET_TRAIN_IMAGES, PRESETS, REFERENCE_NAMES
-from twinstep.recipes import Recipe, UsageError, parse
+from twinstep.presets import IMAGENET_TRAIN_IMAGES, REFERENCE_NAMES
+from twinstep.recipes import PRESETS, Recipe, UsageError, parse
 
 # name -> the fields it must decode to (the rest: the dataclass defaults)
 EXPECTED = {

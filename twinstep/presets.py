@@ -1,26 +1,24 @@
-"""The named recipes: the published presets as a table (docs/recipes.md) and the reference
-grammar names whose renders are committed (docs/renders.md). `twinstep.recipes.parse` reads a
-preset's name through `PRESETS`."""
+"""The named recipes, as plain data: the published presets as a table of `Recipe` fields
+(docs/recipes.md; `twinstep.recipes.PRESETS` holds them as recipes) and the reference grammar
+names whose renders are committed (docs/renders.md)."""
 
 from __future__ import annotations
-
-from twinstep.recipes import Recipe
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
 
-def _preset(epochs: int, global_batch: int, replicas: int = 8, **fields) -> Recipe:
+def _preset(epochs: int, global_batch: int, replicas: int = 8, **fields) -> dict:
     """A preset's row (docs/recipes.md) as dp at N = global / R with k = 1 on R = 8, its schedule
     per optimizer step: timm's drop-last epoch of ImageNet, 5 warmup epochs, cosine to the end."""
     per_epoch = IMAGENET_TRAIN_IMAGES // global_batch
-    return Recipe(dp=True, batch=global_batch // replicas, wx=True, epochs=epochs,
-                  warmup_steps=5 * per_epoch, total_steps=epochs * per_epoch, **fields)
+    return dict(dp=True, batch=global_batch // replicas, wx=True, epochs=epochs,
+                warmup_steps=5 * per_epoch, total_steps=epochs * per_epoch, **fields)
 
 
 # The accuracy anchors (docs/recipes.md). wx: timm excludes 1-D tensors from decay by default. No
 # clip (timm's LAMB clips at 1.0 internally), no EMA, f32: precision is the render's choice, not the
 # recipe's accuracy.
-PRESETS: dict[str, Recipe] = {
+PRESETS: dict[str, dict] = {  # name -> the fields of its `twinstep.recipes.Recipe`
     "rsb-a1": _preset(600, 2048, net="resnet50", optimizer="lamb", lr=5e-3, weight_decay=0.01,
                       bce=True, bce_threshold=0.2, label_smoothing=0.1, drop=True,
                       drop_path_rate=0.05, mixup=0.2, randaugment=7, repeated_aug=3),

@@ -15,6 +15,7 @@ from decimal import Decimal
 from twinstep.defaults import BETAS, EMA_DECAY, EMA_WARMUPS, LABEL_SMOOTHING, MOMENTUM
 from twinstep.errors import UsageError
 from twinstep.nets import NETS
+from twinstep.presets import PRESETS as PRESET_FIELDS
 
 DATASETS = {"in": "ImageNet-1k"}
 DEFAULT_BATCH = 32
@@ -358,8 +359,9 @@ def _parse_grammar(name: str) -> Recipe:
 def parse(name: str) -> Recipe:
     """The recipe a grammar name (or a preset's name) stands for; UsageError names the token
     that is wrong."""
-    from twinstep.presets import PRESETS  # the table builds Recipes: imported when used
-
     if name in PRESETS:
         return PRESETS[name]
     return _parse_grammar(name)
+
+
+PRESETS = {name: Recipe(**fields) for name, fields in PRESET_FIELDS.items()}  # by name

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 
-from twinstep import presets, recipes
+from twinstep import recipes
 from twinstep.cli import options
 from twinstep.data.transforms import CROP_PCT
 
@@ -19,7 +19,7 @@ def add(p) -> None:
         f"Grammar: {recipes.GRAMMAR}\n"
         "Tokens go in this order, each at most once; each is described in docs/recipes.md. The "
         "replica count R is\nnot in the name.\n\nPresets (timm's recipes; dp on R = 8):\n"
-        + "\n".join(f"  {k:<12} {v.name}" for k, v in presets.PRESETS.items())
+        + "\n".join(f"  {k:<12} {v.name}" for k, v in recipes.PRESETS.items())
         + "\n\nExit 0 on a valid name, 2 on a bad one (the error names the token).")
     p.add_argument("name", help="a grammar name, e.g. resnet50in160_lambaccdp4x128wxclipbcebf16, "
                                 "or a preset")
