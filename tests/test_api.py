@@ -77,6 +77,6 @@ def test_unknown_names_are_usage_errors():
     with pytest.raises(twinstep.UsageError, match="unknown net"):
         twinstep.get_net("vgg")
     with pytest.raises(twinstep.UsageError, match="unknown token 'foo'"):
-        twinstep.recipe("resnet50in_lambfoo")
+        twinstep.parse_recipe("resnet50in_lambfoo")
     with pytest.raises(twinstep.UsageError, match="--replicas must be >= 1"):
         twinstep.render("rsb-a1", replicas=0)

@@ -281,7 +281,7 @@ def test_a_render_ties_across_processes_and_a_broken_one_fails_there(tmp_path):
     wrong-divisor render, tied the same way, is NOT tied — the control of the one-process
     `tie --render` too (tests/test_render.py) — and both processes exit 1, the one that
     compares nothing with the other's verdict. (The render's placement and the whole-step
-    tie's across processes, which `tie --recipe` and `train --artifact` share.)"""
+    tie's across processes, which `tie --recipe` and `train --render` share.)"""
     name = "mnv4in_adamdp1"
     fast = ["--fast-compile"] if "mnv4" in FAST_COMPILE_NETS else []
     good = _rendered(tmp_path / "good", name)
@@ -325,7 +325,7 @@ def test_a_recipe_ties_across_processes_and_its_control_fails_there():
 @pytest.mark.slow
 @pytest.mark.all
 def test_training_with_a_render_over_two_processes_trains_what_one_does(tmp_path):
-    """`train --artifact` (momentum SGD, R = 4, f64, two steps): over 2 processes x 2 devices
+    """`train --render` (momentum SGD, R = 4, f64, two steps): over 2 processes x 2 devices
     it ends where one process with 4 devices does, to 1e-10 as the Python step's runs above;
     the wrong-divisor render trained over the 2 processes ends far from it (the run runs the
     render it is given)."""
@@ -337,11 +337,11 @@ def test_training_with_a_render_over_two_processes_trains_what_one_does(tmp_path
     ends = {}
     for which, render in (("good", good), ("bad", bad)):
         run = tmp_path / f"two-{which}"
-        done = subprocess.run(_launch("train", name, *argv, "--artifact", render, "--out",
+        done = subprocess.run(_launch("train", name, *argv, "--render", render, "--out",
                                       str(run)), capture_output=True, text=True, timeout=WAIT_S)
         assert done.returncode == 0, done.stderr
         ends[which] = load_state(run)
-    api.train(name, str(tmp_path / "one"), data="digits", replicas=4, artifact=good, **COMMON)
+    api.train(name, str(tmp_path / "one"), data="digits", replicas=4, render=good, **COMMON)
     one = load_state(tmp_path / "one")
     assert _max_err(ends["good"], one) <= 1e-10
     assert _max_err(ends["bad"], one) > 1e-3

@@ -1,4 +1,4 @@
-"""IREE (twinstep.rendering.iree; 'render --target iree'; 'tie --artifact NAME.vmfb'): a render's
+"""IREE (twinstep.rendering.iree; 'render --target iree', then 'tie --render NAME.vmfb'): a render's
 StableHLO compiled by IREE's llvm-cpu backend, run by IREE's runtime, tied to the single-device
 Python step. A whole net takes IREE a minute (ResNet-50) to several (MNv4) to compile, so the
 whole-step tie runs in make test-all; make test checks the backend on a small f64 program, the
@@ -21,7 +21,7 @@ from twinstep.errors import BackendError
 from twinstep.processes import settings
 from twinstep.rendering import iree, reader, render
 
-# R = 1 with N = 8: the single device's BNs reduce 8 rows, as the XLA artifact tie's R = 4 x 2
+# R = 1 with N = 8: the single device's BNs reduce 8 rows, as the XLA render tie's R = 4 x 2
 # does (at N = 2 layer4's 1x1 BNs leave the f64 noise floor above the inconclusive bound).
 # The recipe holds the step's features but masks: EMA, LAMB, k = 2 micro-steps, weight-decay
 # mask, clip, BCE. Masks in k >= 2 micro-steps fail IREE's runtime
@@ -81,9 +81,9 @@ def test_iree_refusals(tmp_path, capsys, monkeypatch):
           "--platform cpu")
     fails(["render", "resnet50in_accdp2x8drop", "--target", "iree", "--out", out], 2,
           "tests/test_iree.py::test_iree_masks_with_x64")
-    fails(["tie", "--artifact", str(tmp_path / "none.vmfb")], 2, "cannot read")
+    fails(["tie", "--render", str(tmp_path / "none.vmfb")], 2, "cannot read")
     with pytest.raises(SystemExit) as e:
-        cli.main(["tie", "--artifact", str(tmp_path / "x.mlir")])
+        cli.main(["tie", "--render", str(tmp_path / "x.mlir")])
     assert e.value.code == 2 and "NAME.jaxexport or NAME.vmfb" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "iree.compiler", None)  # as if not installed
     fails(["render", RECIPE, "--target", "iree", "--out", out], 3, "pip install 'twinstep[iree]'")
@@ -97,7 +97,7 @@ def test_a_vmfb_outside_its_manifest_is_refused(tmp_path, capsys):
     vmfb = paths[".jaxexport"][:-len(".jaxexport")] + ".vmfb"
     with open(vmfb, "wb") as f:
         f.write(b"not IREE's")
-    assert cli.main(["tie", "--artifact", vmfb]) == 2
+    assert cli.main(["tie", "--render", vmfb]) == 2
     assert "sha256 differs" in capsys.readouterr().err
     manifest = json.loads(open(paths[".json"], "rb").read())
     assert "iree" not in manifest and reader.load(paths[".jaxexport"])  # the set itself loads
@@ -106,7 +106,7 @@ def test_a_vmfb_outside_its_manifest_is_refused(tmp_path, capsys):
 @pytest.mark.all
 @pytest.mark.iree
 def test_the_iree_render_ties_and_its_f32_demotion_does_not(tmp_path):
-    """'render --target iree --precision f64' then 'tie --artifact NAME.vmfb': IREE's module of
+    """'render --target iree --precision f64' then 'tie --render NAME.vmfb': IREE's module of
     the whole step (EMA, LAMB, k = 2, weight-decay mask, clip, BCE) against the single-device
     Python step over 2 steps, every state tensor at the f64 bounds. The control: the same
     StableHLO compiled with IREE's default flags (f64 demoted to f32; arguments cast to f32 and
@@ -116,10 +116,10 @@ def test_the_iree_render_ties_and_its_f32_demotion_does_not(tmp_path):
                      "--classes", "10", "--out", str(out)]) == 0
     vmfb_path = str(out / f"{RECIPE}.vmfb")
     report = tmp_path / "tie.json"
-    assert cli.main(["tie", "--artifact", vmfb_path, "--steps", "2",
+    assert cli.main(["tie", "--render", vmfb_path, "--steps", "2",
                      "--json", str(report)]) == 0
     rep = json.loads(report.read_text())
-    assert rep["ok"] and rep["artifact"] == vmfb_path and rep["steps"][1]["loss"]["ok"]
+    assert rep["ok"] and rep["render"] == vmfb_path and rep["steps"][1]["loss"]["ok"]
     vmfb, exported, manifest = reader.load_iree(vmfb_path)
     assert manifest["iree"]["flags"] == iree.flags("f64")
     shutil.rmtree(out)
@@ -148,7 +148,7 @@ def test_an_iree_render_with_drop_path_ties(tmp_path):
     step's."""
     assert cli.main(["render", MASKED, "--target", "iree", "--precision", "f64", "--res", "32",
                      "--classes", "10", "--out", str(tmp_path)]) == 0
-    assert cli.main(["tie", "--artifact", str(tmp_path / f"{MASKED}.vmfb"), "--steps", "2"]) == 0
+    assert cli.main(["tie", "--render", str(tmp_path / f"{MASKED}.vmfb"), "--steps", "2"]) == 0
 
 
 # IREE 3.13's bugs that twinstep works around, each reduced to a few ops: a test of the correct

@@ -1,6 +1,6 @@
 """Renders (twinstep.rendering.render): the exported whole train step and what its manifest claims.
 
-The StableHLO checks read the text the artifact was serialized from. On this CPU-only machine
+The StableHLO checks read the text the render was serialized from. On this CPU-only machine
 bf16 is checked in the StableHLO, where the policy is visible: XLA:CPU upcasts bf16
 convolutions to f32 when it compiles (docs/platform.md), so only a GPU's optimized HLO can show the
 compiled convolutions stay bf16 — bench/gpu_bf16_hlo.py checks that on a GPU machine.
@@ -305,9 +305,9 @@ def _example_inputs(seed=3):
 
 @ON_EXAMPLE
 @pytest.mark.slow
-def test_a_fresh_process_runs_the_artifact_without_model_code(example_f64, tmp_path):
+def test_a_fresh_process_runs_the_render_without_model_code(example_f64, tmp_path):
     """twinstep/rendering/runner.py, in a process that imports no twinstep module, runs one step of
-    the deserialized render; its state is this process's run of the artifact, which
+    the deserialized render; its state is this process's run of the render, which
     `test_tie_render_ties_the_render` ties to the single-device Python step."""
     _, paths = example_f64
     _, _, _, _, state, xs, ts, key = _example_inputs()
@@ -369,7 +369,7 @@ def test_tie_render_ties_the_render(example_f64, tmp_path):
     assert cli.main(["tie", "--render", paths[".jaxexport"], "--steps", "2",
                      "--json", str(report)]) == 0
     rep = json.loads(report.read_text())
-    assert rep["ok"] and rep["artifact"] == paths[".jaxexport"]
+    assert rep["ok"] and rep["render"] == paths[".jaxexport"]
     # params (which move from the second step: lr(0) = 0), buffers, Adam's mu and nu, counts
     assert len(rep["steps"][1]["rows"]) == 592 and rep["steps"][1]["loss"]["ok"]
 
@@ -388,18 +388,18 @@ def test_cli_render_usage_errors(tmp_path, example_f64, capsys):
     assert "twinstep render:" in capsys.readouterr().err
     assert cli.main(["render", EXAMPLE, "--res", "48", "--out", str(tmp_path)]) == 2
     assert "multiple of 32" in capsys.readouterr().err
-    fails(["tie", "resnet50", "--artifact", "x.jaxexport"], "drop net")
-    fails(["tie", "--artifact", "x.jaxexport", "--replicas", "4"], "drop replicas")
-    fails(["tie", "--artifact", "x.mlir"], "NAME.jaxexport")
+    fails(["tie", "resnet50", "--render", "x.jaxexport"], "drop net")
+    fails(["tie", "--render", "x.jaxexport", "--replicas", "4"], "drop replicas")
+    fails(["tie", "--render", "x.mlir"], "NAME.jaxexport")
     fails(["tie"], "the net is required")
     # an f32 render is not tied (the tie is exact in f64), and a tampered one is refused
     r = render.make(render.RenderConfig(EXAMPLE, 2, **SMALL))
     f32 = render.write(r, str(tmp_path / "f32"))
-    assert cli.main(["tie", "--artifact", f32[".jaxexport"]]) == 2
+    assert cli.main(["tie", "--render", f32[".jaxexport"]]) == 2
     assert "--precision f64" in capsys.readouterr().err
     with open(f32[".jaxexport"], "ab") as f:
         f.write(b"\0")
-    assert cli.main(["tie", "--artifact", f32[".jaxexport"]]) == 2
+    assert cli.main(["tie", "--render", f32[".jaxexport"]]) == 2
     assert "sha256" in capsys.readouterr().err
     (tmp_path / "file").write_text("")  # --out is a file: a clean error, nothing left behind
     assert cli.main(["render", EXAMPLE, "--out", str(tmp_path / "file"), "--res", "32"]) == 2
@@ -455,7 +455,7 @@ def test_the_manifest_table_of_docs_renders_matches_the_committed_manifests():
 
 @ON_EXAMPLE
 @pytest.mark.slow
-def test_an_artifact_is_trusted_only_whole(example_f64, tmp_path):
+def test_a_render_is_trusted_only_whole(example_f64, tmp_path):
     """Each way a render can be other than what its manifest says is refused at load, before
     anything runs, in one line: a field against the name, the .mlir's hash, a missing file, a
     corrupt program whose hash was made to match, a program for other devices; and
@@ -509,8 +509,8 @@ def test_an_artifact_is_trusted_only_whole(example_f64, tmp_path):
 @ON_EXAMPLE
 @pytest.mark.slow
 @pytest.mark.all
-def test_training_with_the_artifact_takes_the_python_steps(example_f64, tmp_path, monkeypatch):
-    """`twinstep train --artifact`: two steps of the render's deserialized program on the
+def test_training_with_the_render_takes_the_python_steps(example_f64, tmp_path, monkeypatch):
+    """`twinstep train --render`: two steps of the render's deserialized program on the
     digits end where two steps of the Python step do (the same recipe and schedule as
     rendered), every parameter within the tie's f64 floor (`_adam_param_errors`)."""
     from twinstep import api, recipes
@@ -519,11 +519,11 @@ def test_training_with_the_artifact_takes_the_python_steps(example_f64, tmp_path
     _, paths = example_f64
     common = {"replicas": 4, "batch": 2, "res": 32, "precision": "f64", "steps": 2,
               "eval_every": 2, "ckpt_every": 2}
-    api.train(EXAMPLE, str(tmp_path / "artifact"), artifact=paths[".jaxexport"], **common)
+    api.train(EXAMPLE, str(tmp_path / "render"), render=paths[".jaxexport"], **common)
     monkeypatch.setattr(loop.TrainConfig, "parsed_recipe",
                         lambda self: recipes.parse(self.recipe))  # the render's schedule
     api.train(EXAMPLE, str(tmp_path / "python"), **common)
-    a, b = (load_state(tmp_path / d) for d in ("artifact", "python"))
+    a, b = (load_state(tmp_path / d) for d in ("render", "python"))
     schedule = optim.recipe_schedule(parse(EXAMPLE))
     lr_sum = sum(float(schedule(t)) for t in range(2))
     errors = _adam_param_errors(a, b, lr_sum)
@@ -542,7 +542,7 @@ def test_training_with_the_artifact_takes_the_python_steps(example_f64, tmp_path
                key=lambda k: np.sum(_noise(mu[k])))
     moved = {**a, "params": {**a["params"], name: a["params"][name] + lr_sum * _noise(mu[name])}}
     seen = _adam_param_errors(moved, b, lr_sum)[name]
-    print(f"artifact vs Python: worst {max(errors.values()):.1e}; {name}'s "
+    print(f"render vs Python: worst {max(errors.values()):.1e}; {name}'s "
           f"{np.sum(_noise(mu[name]))} noise elements moved by lr: {seen:.1e}")
     assert np.sum(_noise(mu[name])) > 0 and seen > 1e-6
 

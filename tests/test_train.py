@@ -195,7 +195,7 @@ def attempts(run_dir) -> list[tuple[int, list[int]]]:
 
 
 def _exported_weights_run_in_timm_as_in_twinstep(run_dir):
-    """`twinstep export` (both formats) loads into timm, whose eval logits on the val images are
+    """`twinstep weights` (both formats) loads into timm, whose eval logits on the val images are
     twinstep's to f32 precision (1e-4 relative); a K-class classifier included."""
     import timm
     import torch
@@ -208,7 +208,7 @@ def _exported_weights_run_in_timm_as_in_twinstep(run_dir):
     classes = json.loads((run_dir / "config.json").read_text())["classes"]
     x = digits.split("val", 32)[0][:16]
     ours = program.eval_program(mobilenetv4, "f32")(state["params"], state["buffers"], x)
-    done = subprocess.run([sys.executable, "-m", "twinstep.cli", "export", str(run_dir)],
+    done = subprocess.run([sys.executable, "-m", "twinstep.cli", "weights", str(run_dir)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     for path in (done.stdout.strip(), write_from_run(str(run_dir), "pth")):
@@ -365,7 +365,7 @@ def test_init_from_loads_every_tensor_and_starts_a_classifier_of_another_width_a
         state_dict.initial_state(cfg, mobilenetv4, prog, 10)
 
 
-def test_an_artifact_must_match_the_run_it_trains(tmp_path):
+def test_a_render_must_match_the_run_it_trains(tmp_path):
     path = tmp_path / "r.jaxexport"
     path.write_bytes(b"")
     from twinstep import recipes
@@ -377,16 +377,23 @@ def test_an_artifact_must_match_the_run_it_trains(tmp_path):
                 "classes": 10, "precision": "f32", "platform": "cpu", "control": "none",
                 "inputs": [], "outputs": []}
     (tmp_path / "r.json").write_text(json.dumps(manifest))
-    TrainConfig(RECIPE, "/tmp/unused", replicas=2, artifact=str(path))  # matches: accepted
+    TrainConfig(RECIPE, "/tmp/unused", replicas=2, render=str(path))  # matches: accepted
     for kw, field in (({"replicas": 1, "recipe": "mnv4in_adam4"}, "recipe"),
                       ({"replicas": 4}, "replicas"), ({"replicas": 2, "res": 64}, "res"),
                       ({"replicas": 2, "precision": "f64"}, "precision")):
         with pytest.raises(UsageError, match=f"rendered with {field} = "):
-            TrainConfig(**{"recipe": RECIPE, "out": "/tmp/unused", "artifact": str(path), **kw})
+            TrainConfig(**{"recipe": RECIPE, "out": "/tmp/unused", "render": str(path), **kw})
     with pytest.raises(UsageError, match="drop --epochs"):
-        TrainConfig(RECIPE, "/tmp/unused", replicas=2, artifact=str(path), mixup=0.2)
+        TrainConfig(RECIPE, "/tmp/unused", replicas=2, render=str(path), mixup=0.2)
     with pytest.raises(UsageError, match="NAME.jaxexport"):
-        TrainConfig(RECIPE, "/tmp/unused", replicas=2, artifact=str(tmp_path / "r.json"))
+        TrainConfig(RECIPE, "/tmp/unused", replicas=2, render=str(tmp_path / "r.json"))
+    # a run that an older twinstep trained with a render recorded it as "artifact": refused
+    from twinstep.training.config import check_run_dir
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps({"artifact": str(path)}))
+    with pytest.raises(UsageError, match="older twinstep trained with a render"):
+        check_run_dir(TrainConfig(RECIPE, str(tmp_path / "old"), replicas=2, render=str(path)))
 
 
 @pytest.mark.slow

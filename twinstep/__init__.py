@@ -12,8 +12,8 @@ does not start JAX, so the API can still ask JAX for R virtual CPU devices).
 from twinstep.errors import UsageError
 
 __version__ = "0.1.0"
-API = ("tie", "tie_steps", "tie_render", "render", "load_render", "recipe", "get_net",
-       "devices", "train", "pack", "join", "tie_artifact", "load_artifact")
+API = ("tie", "tie_steps", "tie_render", "render", "load_render", "parse_recipe", "get_net",
+       "devices", "train", "pack", "join")
 __all__ = ["UsageError", "__version__", *API]
 
 

@@ -30,9 +30,6 @@ def parse_recipe(name: str):
     return recipes.parse(name)
 
 
-recipe = parse_recipe  # twinstep.recipe(name)
-
-
 def join(coordinator: str | None = None, num_processes: int | None = None,
          process_id: int | None = None, replicas: int = 1) -> None:
     """Join JAX's multi-controller runtime as process ``process_id`` of ``num_processes``, the
@@ -166,12 +163,8 @@ def tie_render(path: str, steps: int | None = None, seed: int = 0, shift: bool =
                    else loaded.step(fast_compile, donate=True))
         report = trajectory.run_steps_tie(cfg, steps=trajectory.STEPS if steps is None else steps,
                                           progress=progress, replica=replica)
-    report.artifact = path
+    report.render = path
     return report
-
-
-# the names of 0.1.0 (a render was also called an artifact)
-Artifact, load_artifact, tie_artifact = LoadedRender, load_render, tie_render
 
 
 def train(recipe: str, out: str, progress=None, warn=None, **config) -> dict:

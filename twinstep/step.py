@@ -80,7 +80,7 @@ def path_parts(path) -> list[str]:
 
 def state_names(state) -> list[str]:
     """The flat names of a TrainState's leaves, in ``jax.tree.leaves`` order ("step",
-    "params/<timm name>", "opt_state/...", ...): a render's signature and an artifact's check."""
+    "params/<timm name>", "opt_state/...", ...): a render's signature and its check."""
     return ["/".join(path_parts(path)) for path, _ in
             jax.tree_util.tree_flatten_with_path(state)[0]]
 

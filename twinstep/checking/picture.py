@@ -110,7 +110,7 @@ def draw_steps(report: dict, out: str) -> str:
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8, loc="lower left", ncol=4, framealpha=0.9)
     c = report["config"]
-    what = report.get("artifact") or c["recipe"]
+    what = report.get("render") or c["recipe"]
     fig.suptitle(f"{what}: R = {c['replicas']} x N = {c['batch']} vs one device, "
                  f"{len(report['steps'])} whole steps, {c['res']}², {c['precision']}, control "
                  f"{c['control']}\n" + textwrap.fill(report["verdict"], 150, max_lines=2),

@@ -88,7 +88,7 @@ def compare_states(ours, ref, moved: tuple, floor: float) -> list:
 class StepsReport(bounds.Verdict):
     config: TieConfig
     steps: list  # per step: {"step", "rows": [...], "loss": {...}}
-    artifact: str | None = None  # the render tied (NAME.jaxexport), if not the Python step
+    render: str | None = None  # the render tied (NAME.jaxexport), if not the Python step
     # in a process other than 0, which compares nothing (``steps`` empty): process 0's status
     shared_status: str | None = None
 
@@ -124,7 +124,7 @@ class StepsReport(bounds.Verdict):
     def to_json(self) -> dict:
         out = {"verdict": self.verdict(), "status": self.status, "ok": self.ok,
                "config": dataclasses.asdict(self.config), "steps": self.steps}
-        return out | ({"artifact": self.artifact} if self.artifact else {})
+        return out | ({"render": self.render} if self.render else {})
 
 
 def train_programs(net, recipe, cfg: TieConfig, prec: Precision) -> tuple:

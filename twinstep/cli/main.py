@@ -34,7 +34,6 @@ COMMANDS = {  # each command's line in 'twinstep --help'; its module is twinstep
     "compare": "training runs paired image by image: top-1 intervals, McNemar's test",
     "launch": "run train or tie as P processes on this host, joined into one runtime",
 }
-ALIASES = {"export": "weights"}  # the names of 0.1.0
 # the commands that never start JAX: no XLA_FLAGS check, no compilation cache
 NO_JAX = ("recipe", "plot", "compare", "pack", "launch")
 NO_CACHE_HELP = ("compile every program afresh: neither load nor keep compiled programs (also "
@@ -43,9 +42,8 @@ NO_CACHE_HELP = ("compile every program afresh: neither load nor keep compiled p
 
 
 def command_of(argv: list[str]) -> str | None:
-    """The command an argument list names (an alias resolved), if any."""
-    chosen = next((a for a in argv if not a.startswith("-")), None)
-    return ALIASES.get(chosen, chosen)
+    """The command an argument list names, if any."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def build_parser(argv=None) -> argparse.ArgumentParser:
@@ -70,8 +68,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     p.commands = {}  # each command's own parser
     for name, line in COMMANDS.items():
-        aliases = [a for a, n in ALIASES.items() if n == name]
-        p.commands[name] = sub.add_parser(name, help=line, aliases=aliases)
+        p.commands[name] = sub.add_parser(name, help=line)
         if name == chosen:
             _module(name).add(p.commands[name])
             if name not in NO_JAX:  # after the command too; SUPPRESS keeps the one before it
@@ -95,7 +92,7 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    name = ALIASES.get(args.command, args.command)
+    name = args.command
     try:
         if isinstance(getattr(args, "json", None), str):
             from twinstep.processes import disk
@@ -163,7 +160,7 @@ def _on_interrupt(signum, frame) -> None:
         return
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     sys.stdout.flush()
-    known = command in COMMANDS or command in ALIASES
+    known = command in COMMANDS
     print(f"twinstep{' ' + command if known else ''}: interrupted", file=sys.stderr, flush=True)
     os._exit(130)
 

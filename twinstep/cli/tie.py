@@ -62,7 +62,7 @@ def add(p) -> None:
     step.add_argument("--recipe", metavar="NAME",
                       help="tie whole training steps of this recipe (a name or preset, "
                            "'twinstep recipe'), f64")
-    p.add_argument("--render", "--artifact", dest="render", metavar="PATH",
+    p.add_argument("--render", metavar="PATH",
                    help="tie a render instead of the Python step: NAME.jaxexport (XLA) or "
                         "NAME.vmfb (IREE) from 'twinstep render --precision f64'")
     options.count(p, "--steps", None, "whole steps to tie with --recipe or --render (default "

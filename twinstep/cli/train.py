@@ -64,7 +64,7 @@ def add(p) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in RUN_DIR and refuse to start a new one (without it, "
                         "a RUN_DIR holding a run is continued too)")
-    p.add_argument("--render", "--artifact", dest="artifact", metavar="NAME.jaxexport",
+    p.add_argument("--render", metavar="NAME.jaxexport",
                    help="run a render's step instead of the Python one (its recipe, R, N, S, "
                         "precision and schedule)")
     p.add_argument("--init-from", metavar="FILE", help="start from a timm state dict (.pth, "

@@ -1,5 +1,5 @@
-"""``twinstep weights RUN_DIR`` (formerly ``export``): a training run's latest weights as a timm
-state dict (docs/training.md#weights-for-timm)."""
+"""``twinstep weights RUN_DIR``: a training run's latest weights as a timm state dict
+(docs/training.md#weights-for-timm)."""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ from twinstep.ops.precision import NAMES as PRECISIONS
 # number of loader workers does not, nor the topology: R and N may change at the same R N, and
 # the recipe's name with N — its other fields must match, `check_run_dir`)
 RESUME_FIELDS = ("data", "res", "steps", "precision", "seed", "init_from", "randaugment",
-                 "mixup", "cutmix", "artifact", "loader", "control")
-# what a render fixes, which a run with --artifact must give alike
-ARTIFACT_FIELDS = ("recipe", "replicas", "batch", "res", "precision")
+                 "mixup", "cutmix", "render", "loader", "control")
+# what a render fixes, which a run with --render must give alike
+RENDER_FIELDS = ("recipe", "replicas", "batch", "res", "precision")
 AUGMENT_FIELDS = ("randaugment", "mixup", "cutmix")  # the recipe's, unless given
 MAX_WORKERS = 64
 # the digits' defaults (a smoke run); an image folder takes the recipe's (`TrainConfig.chosen`)
@@ -58,7 +58,7 @@ class TrainConfig:
     mixup: float | None = None
     cutmix: float | None = None
     init_from: str | None = None  # a timm state dict (.pth / .safetensors) to start from
-    artifact: str | None = None  # a render's NAME.jaxexport to run instead of the Python step
+    render: str | None = None  # a render's NAME.jaxexport to run instead of the Python step
     resume: bool = False  # insist on continuing: refuse a RUN_DIR that holds no run
     fast_compile: bool = False  # dp.FAST_COMPILE: the same numerics, compiled at -O0
     stall_timeout: float | None = None  # s without progress that end the run; None: watchdog's
@@ -101,8 +101,8 @@ class TrainConfig:
         if recipe.dp != (self.replicas > 1) and self.replicas > 1:
             raise UsageError(f"{self.recipe} has no 'dp' token: it trains on one device; "
                              f"use a dp recipe for --replicas {self.replicas}")
-        if self.artifact is not None:
-            self._check_artifact()
+        if self.render is not None:
+            self._check_render()
 
     def _check_control(self) -> None:
         """--control: a whole step's negative control, on the Python step of R > 1 replicas."""
@@ -118,7 +118,7 @@ class TrainConfig:
         if self.control in GRADIENT_ONLY_CONTROLS:
             raise UsageError(f"--control {self.control} leaves each replica its own running "
                              f"statistics, which a whole step's replicated state cannot hold")
-        if self.artifact is not None:
+        if self.render is not None:
             raise UsageError("--control breaks the Python step; a render carries its own "
                              "('twinstep render --control')")
 
@@ -168,32 +168,32 @@ class TrainConfig:
                 f"{self.eval_res}²{src('eval_res')}, {length}{src('epochs', 'steps')}, "
                 f"N = {self.batch} x R = {self.replicas}, {self.precision}{src('precision')}")
 
-    def _check_artifact(self) -> None:
+    def _check_render(self) -> None:
         """The render's manifest (NAME.json beside it) against this run: a render fixes its
         recipe, R, N, S and precision."""
-        if not self.artifact.endswith(".jaxexport") or not os.path.isfile(self.artifact):
-            raise UsageError(f"--artifact {self.artifact}: a NAME.jaxexport file from "
+        if not self.render.endswith(".jaxexport") or not os.path.isfile(self.render):
+            raise UsageError(f"--render {self.render}: a NAME.jaxexport file from "
                              f"'twinstep render'")
         from twinstep.rendering import reader
 
-        manifest = reader.read_manifest(self.artifact)  # its schema checked
+        manifest = reader.read_manifest(self.render)  # its schema checked
         given = {"recipe": manifest["name"], "replicas": manifest["replicas"],
                  "batch": manifest["batch"], "res": manifest["res"],
                  "precision": manifest["precision"]}
-        for field in ARTIFACT_FIELDS:
+        for field in RENDER_FIELDS:
             if given[field] != getattr(self, field):
-                raise UsageError(f"--artifact {self.artifact} was rendered with {field} = "
+                raise UsageError(f"--render {self.render} was rendered with {field} = "
                                  f"{given[field]!r}, this run has {getattr(self, field)!r}")
         if self.randaugment or self.mixup or self.cutmix or (
                 self.epochs and "epochs" not in self.chosen):
-            raise UsageError("--artifact runs the render's schedule and the recipe's "
+            raise UsageError("--render runs the render's schedule and the recipe's "
                              "augmentation: drop --epochs, --randaugment, --mixup, --cutmix")
 
     def parsed_recipe(self) -> recipes.Recipe:
         """The recipe with this run's overrides: its N, its length, a warmup of a tenth from
-        timm's warmup lr. With --artifact, the rendered recipe as it is: the render holds its
+        timm's warmup lr. With --render, the rendered recipe as it is: the render holds its
         schedule."""
-        if self.artifact is not None:
+        if self.render is not None:
             return recipes.parse(self.recipe)
         r = recipes.parse(self.recipe)
         given = {f: getattr(self, f) for f in AUGMENT_FIELDS if getattr(self, f) is not None}
@@ -217,6 +217,10 @@ def check_run_dir(cfg: TrainConfig) -> bool:
         return False
     with open(path) as f:
         old = json.load(f)
+    # "artifact": --render's retired name; null was the Python step, as render None is
+    if old.get("artifact") is not None:
+        raise UsageError(f"{cfg.out} holds a run that an older twinstep trained with a render "
+                         f"(config.json's 'artifact'): use another --out to start a new run")
     new = {**dataclasses.asdict(cfg), "resolved_recipe": _as_json(
         dataclasses.asdict(cfg.parsed_recipe()))}
     # the topology may change (R x N at the same global batch: the tied step is the same

@@ -61,7 +61,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     prepare = program.prepare_program(src.classes, cfg.precision, cfg.replicas, cfg.fast_compile,
                                       src.layout(augment))
     # the step: a render's, or compiled now, before the state and data exist (the run's peak)
-    prog = (_render_program if cfg.artifact else _compiled_step)(cfg, prog, src.classes)
+    prog = (_render_program if cfg.render else _compiled_step)(cfg, prog, src.classes)
 
     # --- restore: the latest checkpoint, else step 0 (timm's initialisation or --init-from)
     checkpoints = Checkpoints(cfg.out, cfg.keep, cfg.keep_every)
@@ -219,13 +219,13 @@ def _compiled_step(cfg: TrainConfig, prog, classes: int):
 
 
 def _render_program(cfg: TrainConfig, prog, classes: int):
-    """``prog`` with its step replaced by the render's (--artifact; its hashes and signature
+    """``prog`` with its step replaced by the render's (--render; its hashes and signature
     checked by `twinstep.rendering.reader.load`)."""
     from twinstep.rendering import reader
 
-    exported, manifest = reader.load(cfg.artifact)  # RenderError: a UsageError
+    exported, manifest = reader.load(cfg.render)  # RenderError: a UsageError
     if manifest["classes"] != classes:
-        raise UsageError(f"--artifact {cfg.artifact} was rendered for {manifest['classes']} "
+        raise UsageError(f"--render {cfg.render} was rendered for {manifest['classes']} "
                          f"classes; the data has {classes}")
     return prog._replace(step=reader.step(exported, manifest, cfg.fast_compile),
                          place=lambda state: dp.replicate(state, cfg.replicas))
