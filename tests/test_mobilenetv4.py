@@ -27,7 +27,7 @@ import pytest
 from oracle_libs import timm, torch
 
 from twinstep.checking import parity
-from twinstep.dp import FAST_COMPILE
+from twinstep.dp import compiler_options
 from twinstep.nets import layers
 from twinstep.nets import mobilenetv4 as net
 from twinstep.ops import loss
@@ -175,9 +175,14 @@ def _args(res, n, masked, kind):
     return params, buffers, x, np.eye(K)[labels], w, drop_path, dropout
 
 
+def _fast() -> dict | None:
+    """XLA at -O0 (`dp.FAST_COMPILE`, the same numerics)."""
+    return compiler_options(fast_compile=True)
+
+
 @functools.cache
 def _compiled(res, n, masked):
-    return jax.jit(_step).lower(*_args(res, n, masked, "ce")).compile(FAST_COMPILE)
+    return jax.jit(_step).lower(*_args(res, n, masked, "ce")).compile(_fast())
 
 
 def timm_model(params, buffers, dtype=None, drop_path=None, dropout=None):
@@ -403,6 +408,6 @@ def test_wrong_nets_fail_timm_parity(control, monkeypatch):
     x = batch(res, n, masked)[0]
     monkeypatch.setattr(net, "_uib", control(net._uib))
     assert net.param_shapes(K) == SHAPES_K  # same tensors: only the wiring differs
-    z = jax.jit(lambda p, b, x: net.forward(p, b, x, TRAIN)[0], compiler_options=FAST_COMPILE)(
+    z = jax.jit(lambda p, b, x: net.forward(p, b, x, TRAIN)[0], compiler_options=_fast())(
         params, buffers, x)
     assert logit_err(z, theirs(res, n, masked, "ce")[0]) > CONTROL_MIN_ERR

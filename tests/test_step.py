@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # whole ResNet-50 steps
 def jit(fn, **kw):
     """XLA at -O0 (`dp.FAST_COMPILE`, the same numerics): each program here runs once or twice,
     so compiling it is most of its cost."""
-    return jax.jit(fn, compiler_options=dp.FAST_COMPILE, **kw)
+    return jax.jit(fn, compiler_options=dp.compiler_options(fast_compile=True), **kw)
 
 
 def test_accumulation_is_the_mean_of_the_micro_steps():

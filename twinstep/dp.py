@@ -6,6 +6,8 @@ the collectives that function emits all come from `twinstep.collectives.Replicas
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,7 +107,8 @@ def replicas(count: int, control: str = "none") -> Replicas:
 
 
 # XLA:CPU with LLVM at -O0 and the legacy loop emitters: the same numerics, a shorter compile and a
-# slower program — for checks whose wall time is compile time (bench/probes/opt_level.py).
+# slower program — for checks whose wall time is compile time (bench/probes/opt_level.py). The
+# XLA of JAX 0.12 has no legacy emitters, nor their switch (`compiler_options` drops it).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 # XLA:CPU's copy insertion without region analysis copies every donated parameter the backward
 # still reads (its update does not depend on that read): 163 of MobileNetV4's 233, on every
@@ -114,9 +117,22 @@ CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
 def compiler_options(fast_compile: bool = False) -> dict | None:
-    """The XLA options every program here is compiled with, on this process's backend."""
+    """The XLA options every program here is compiled with, on this process's backend: those of
+    CPU_OPTIONS and (``fast_compile``) FAST_COMPILE that its XLA knows."""
+    if jax.default_backend() != "cpu":
+        return None
     options = {**CPU_OPTIONS, **(FAST_COMPILE if fast_compile else {})}
-    return options if jax.default_backend() == "cpu" else None
+    return {k: v for k, v in options.items() if _known(k, v)}
+
+
+@functools.cache
+def _known(option: str, value) -> bool:
+    """Whether this process's XLA compiles with ``option`` (XLA refuses one it does not know)."""
+    try:
+        jax.jit(lambda x: x).lower(np.float32(0)).compile({option: value})
+    except jax.errors.JaxRuntimeError:
+        return False
+    return True
 
 
 def jit(fn, fast_compile: bool = False, donate: tuple = ()):

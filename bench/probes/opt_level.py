@@ -59,7 +59,7 @@ def programs(name: str):
         args = (single.init(params, buffers), xs, ts, jax.random.key(0), np.arange(n))
         lowered = single.step.lower(*args)
         t0 = time.perf_counter()
-        compiled = lowered.compile(dp.FAST_COMPILE if fast else None)
+        compiled = lowered.compile(dp.compiler_options(fast))
         seconds = time.perf_counter() - t0
         # train_programs donate the state: each run steps a fresh copy of it
         out[level] = (seconds, lambda c=compiled, a=args: block(c(*_copy(a))))

@@ -25,6 +25,21 @@ import tempfile
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
+def _known(options: dict) -> dict:
+    """``options`` less those this process's XLA does not know (it refuses them; JAX 0.12's has
+    no legacy loop emitters), as twinstep's dp.compiler_options."""
+    import jax
+
+    def compiles(option, value) -> bool:
+        try:
+            jax.jit(lambda x: x).lower(0.0).compile({option: value})
+        except jax.errors.JaxRuntimeError:
+            return False
+        return True
+
+    return {k: v for k, v in options.items() if compiles(k, v)}
+
+
 class Refused(Exception):
     """Bad usage or input: one line on stderr, exit 2."""
 
@@ -100,7 +115,7 @@ def run(args) -> int:
     placed = [jax.device_put(inputs[i["name"]], NamedSharding(mesh, PartitionSpec(*i["spec"])))
               for i in manifest["inputs"]]
     outputs = jax.jit(exported.call,
-                      compiler_options=FAST_COMPILE if args.fast_compile else None)(*placed)
+                      compiler_options=_known(FAST_COMPILE) if args.fast_compile else None)(*placed)
     folder = os.path.dirname(os.path.abspath(args.outputs))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".render-", suffix=".npz")
     try:  # whole or absent: written aside, then renamed into place
