@@ -1,11 +1,16 @@
 """The command line: help, version, usage errors, and the certification end to end."""
 
 import json
+import os
 import subprocess
 import sys
 
+import pytest
+
 from twinstep import __version__
 from twinstep.cli import main
+from twinstep.cli.main import COMMANDS
+from twinstep.errors import EXIT_STATUSES
 
 
 def run(*args):
@@ -41,3 +46,20 @@ def test_certify_end_to_end(tmp_path):
     assert {c["check"] for c in report["checks"]} >= {
         "vjp vs jax.vjp", "vjp vs finite differences", "sharding", "collectives", "homogeneity",
         "divisor"}
+
+
+def test_every_commands_help_gives_the_exit_statuses_of_the_one_table(capsys):
+    """`twinstep.errors.EXIT_STATUSES` is the exit contract: every command's --help states what
+    0 means for it and 2, 3, 130 in that table's words, or its own (`twinstep.cli.options
+    .exits`), and the README's table gives each status with its meaning first."""
+    for name in COMMANDS:
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "Exit 0 " in text and f"130 {EXIT_STATUSES[130]}" in text, name
+        assert all(f", {s} " in text for s in (2, 3)), name
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    rows = {int(line.split("|")[1]): line.split("|")[2].strip() for line in readme.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+    assert set(rows) == set(EXIT_STATUSES)
+    assert all(rows[s].startswith(meaning) for s, meaning in EXIT_STATUSES.items()), rows

@@ -3,6 +3,13 @@ status 2, the Python API raises it as is. Everything else that goes wrong is an 
 environment error (exit 3)."""
 
 
+# The exit statuses of every command, the contract's one table (README's "Exit status" gives
+# each at length; every command's --help is built from this, `twinstep.cli.options.exits`)
+EXIT_STATUSES = {0: "success", 1: "a check failed", 2: "bad usage or input",
+                 3: "an internal or environment error", 4: "inconclusive", 130: "interrupted"}
+ALWAYS = (2, 3, 130)  # what any command may end with
+
+
 class UsageError(ValueError):
     """A request that cannot be done as asked: bad name, option, file or combination."""
 

@@ -17,8 +17,8 @@ def add(p) -> None:
     p.description = ("Check every op's hand-written VJP against jax.vjp and central finite "
                      "differences, the four data-parallel facts under jax.shard_map on R virtual "
                      "devices, and that each negative control is caught "
-                     "(docs/tie.md#certification). Exit 0 when all hold, 1 when not, 2 on bad "
-                     "usage.")
+                     "(docs/tie.md#certification). "
+                     + options.exits({0: "all hold", 1: "one does not"}))
     options.replicas(p, [2, 4], "replica counts for the data-parallel facts "
                                            "(default: 2 4)", "R", nargs="+")
     options.seed(p)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from twinstep.cli import options
+
 
 def add(p) -> None:
     p.description = (
@@ -11,8 +13,9 @@ def add(p) -> None:
         "the first, the top-1 difference with McNemar's exact test on the paired images (which "
         "images one got right and the other not). A difference of a point or two is often "
         "noise: the test says whether it is. Also overlays the runs' curves (train loss, val "
-        "top-1 with its interval) in a PNG. Exit 0 when compared, 2 on bad usage (runs "
-        "evaluated on different val splits, no step in common).")
+        "top-1 with its interval) in a PNG. "
+        + options.exits({0: "compared", 2: "bad usage or input (runs evaluated on different val "
+                                           "splits, no step in common)"}))
     p.add_argument("runs", metavar="RUN_DIR", nargs="+",
                    help="two or more runs' folders ('twinstep train --out'); the first is the "
                    "baseline")

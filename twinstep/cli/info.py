@@ -19,7 +19,7 @@ def add(p) -> None:
 
     p.description = ("Counts of a network's parameters (timm's names and shapes), its BatchNorm "
                      "layers and 1-D tensors, and its forward multiply-accumulates at one "
-                     "resolution (batch 1). Exit 0, or 2 on bad usage.")
+                     "resolution (batch 1). " + options.exits({0: "printed"}))
     p.add_argument("net", choices=sorted(NETS))
     options.count(p, "--res", 224, "input resolution (default 224)")
     options.count(p, "--classes", 1000, "classes K (default 1000)", least=2)

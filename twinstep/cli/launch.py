@@ -19,8 +19,9 @@ def add(p) -> None:
         f"(SIGTERM, SIGKILL after {GRACE_S} s); with --max-restarts N\nall start again, up to "
         "N times, a train run from its latest checkpoint. On several hosts, run\nthe command "
         "on each with those flags, or under srun (docs/hosts.md).\n\n"
-        "Exit 0 when every process ends with 0, else the last failed process's status (3 for a "
-        "signal or a\nstatus outside the contract); 130 interrupted.\n\n"
+        + options.exits({0: "when every process ends with 0, else the last failed process's "
+                            "status (3 for a signal or a status outside the contract)"})
+        + "\n\n"
         "example: twinstep launch --local 2 -- train mnv4in_adamdp --data digits --replicas 4 "
         "--out run")
     options.count(p, "--local", None, "processes to start on this host", "P", required=True)

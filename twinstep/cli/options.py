@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import textwrap
+
+from twinstep.errors import ALWAYS, EXIT_STATUSES
 
 SEEDS = 2**31  # seeds are 0 <= seed < 2^31 (NumPy's and JAX's generators take them alike)
 
@@ -15,6 +18,14 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message}\n")
+
+
+def exits(own: dict[int, str]) -> str:
+    """A command's exit statuses for its --help, wrapped: ``own`` says what 0 (and 1, 4, or one
+    of `ALWAYS` when it says more) means for it; the rest are `EXIT_STATUSES`'s words."""
+    words = {**{s: EXIT_STATUSES[s] for s in ALWAYS}, **own}
+    return textwrap.fill("Exit " + ", ".join(f"{s} {words[s]}" for s in sorted(words)) + ".",
+                         99)
 
 
 def int_in(low: int, high: int | None = None):

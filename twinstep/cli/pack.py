@@ -17,8 +17,8 @@ def add(p) -> None:
                      "'twinstep train --data PACKED': every image decoded once, its short side "
                      "brought down to at most --max-side, re-encoded as JPEG and stored with its "
                      "class in ArrayRecord shards, with a manifest (counts, sha256 per shard). "
-                     "Images that do not decode are reported here and left out. Exit 0 when "
-                     "packed, 2 on bad usage (docs/training.md#packed-data).")
+                     "Images that do not decode are reported here and left out "
+                     "(docs/training.md#packed-data). " + options.exits({0: "packed"}))
     p.add_argument("folder", metavar="DIR", help="the image folder")
     p.add_argument("--out", required=True, metavar="PACKED", help="a new (or empty) folder")
     options.count(p, "--max-side", packed.MAX_SIDE,

@@ -16,8 +16,9 @@ def add(p) -> None:
     p.description = ("Build timm's model with twinstep's random weights (BN statistics "
                      "randomised too), run one train step and one eval forward in both, and "
                      "print the logits' error, the worst parameter gradient's and the running "
-                     "buffers', each against its bound (docs/nets.md#parity). Exit 0 within "
-                     "bounds, 1 outside, 2 on bad usage or without the [oracle] extra.")
+                     "buffers', each against its bound (docs/nets.md#parity). "
+                     + options.exits({0: "within bounds", 1: "outside", 2: "bad usage or input, "
+                                      "or no [oracle] extra"}))
     p.add_argument("net", choices=sorted(NETS))
     options.count(p, "--res", 64, "input resolution (default 64)")
     options.count(p, "--batch", 2, "batch size (default 2)")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from twinstep.cli import options
+
 
 def add(p) -> None:
     p.description = ("Draw a 'twinstep train' run's curves — train loss, learning rate, val "
@@ -11,7 +13,7 @@ def add(p) -> None:
                      "parameter's error and bound along the net) or 'twinstep certify --json' "
                      "(every check's error over its bound); a whole-step tie's ('tie --recipe' "
                      "or '--render') draws each state tensor's error over its bound at each "
-                     "step. Exit 0 when written, 2 on bad usage.")
+                     "step. " + options.exits({0: "written"}))
     p.add_argument("run_dir", metavar="RUN_DIR|REPORT.json",
                    help="a run's folder ('twinstep train --out'), or a tie's or a "
                    "certification's JSON report")

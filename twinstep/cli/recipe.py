@@ -20,7 +20,7 @@ def add(p) -> None:
         "Tokens go in this order, each at most once; each is described in docs/recipes.md. The "
         "replica count R is\nnot in the name.\n\nPresets (timm's recipes; dp on R = 8):\n"
         + "\n".join(f"  {k:<12} {v.name}" for k, v in recipes.PRESETS.items())
-        + "\n\nExit 0 on a valid name, 2 on a bad one (the error names the token).")
+        + "\n\n" + options.exits({0: "a valid name", 2: "a bad one (the error names the token)"}))
     p.add_argument("name", help="a grammar name, e.g. resnet50in160_lambaccdp4x128wxclipbcebf16, "
                                 "or a preset")
     options.replicas(p, None, "also print the effective batch R*N*k", "R")

@@ -27,8 +27,8 @@ def add(p) -> None:
         "with jax.export, from an\nabstract mesh (no R devices needed). Writes NAME.mlir "
         "(StableHLO), NAME.jaxexport (the serialized\nexport) and NAME.json (the manifest), and "
         "with --target iree NAME.vmfb (docs/renders.md).\n\n"
-        "Exit 0 when every render was written, 2 on a bad name or option, 3 when IREE is "
-        "missing or cannot\ncompile the step.")
+        + options.exits({0: "every render written", 3: "IREE missing or unable to compile the "
+                                                        "step, or an internal error"}))
     p.add_argument("name", nargs="?", help="a recipe name or preset ('twinstep recipe')")
     p.add_argument("--all", action="store_true",
                    help=f"render the reference names and the presets (docs/recipes.md), at "

@@ -36,9 +36,9 @@ def add(p) -> None:
         "and the running statistics to per-tensor bounds\n(docs/tie.md). NET ties one gradient "
         "step; --recipe whole training steps (docs/tie.md#whole-steps);\n--render a render "
         "from 'twinstep render' (docs/renders.md).\n\n"
-        "Exit 0 tied, 1 not tied, 2 bad usage, 3 internal error, 4 inconclusive (within every "
-        "bound, but a\nbound too loose to see a 1e-3 bug). Each control injects a classic bug "
-        "and must make the tie fail\n(R >= 2):\n"
+        + options.exits({0: "tied", 1: "not tied", 4: "inconclusive (within every bound, but a "
+                                                       "bound too loose to see a 1e-3 bug)"})
+        + "\n\nEach control injects a classic bug and must make the tie fail (R >= 2):\n"
         + "\n".join(f"  {k:<16} {v}" for k, v in CONTROLS.items()))
     p.add_argument("net", choices=sorted(NETS), nargs="?",
                    help="the network (omitted with --render: the manifest names it)")

@@ -26,8 +26,8 @@ def add(p) -> None:
         "again with the same --out continues the run from its\nlatest checkpoint, bit for bit. "
         "--data is 'digits' (bundled, no download) or an image folder\nDIR/train/<class>/..., "
         "DIR/val/<class>/... read through timm's transforms (docs/training.md).\n\n"
-        "Exit 0 when trained, 2 on bad usage, 3 on a non-finite loss or an internal error (the "
-        "last checkpoint\nstays), 130 interrupted.")
+        + options.exits({0: "trained", 3: "a non-finite loss (the last checkpoint stays), or an "
+                                          "internal or environment error"}))
     p.add_argument("recipe", help="a recipe name or preset ('twinstep recipe'); a dp recipe for "
                                   "--replicas > 1")
     p.add_argument("--data", default=default["data"], metavar="DIR|digits",

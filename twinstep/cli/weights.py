@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+from twinstep.cli import options
+
 
 def add(p) -> None:
     from twinstep.training.state_dict import FORMATS
 
     p.description = ("Write a 'twinstep train' run's latest weights — parameters and BN running "
                      "statistics, or their EMA — as a float32 state dict in timm's names, which "
-                     "timm.create_model loads (docs/training.md#weights-for-timm). Exit 0 when "
-                     "written, 2 on bad usage.")
+                     "timm.create_model loads (docs/training.md#weights-for-timm). "
+                     + options.exits({0: "written"}))
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder ('twinstep train --out')")
     p.add_argument("--format", choices=FORMATS, default=FORMATS[0],
                    help=f"default {FORMATS[0]}")
