@@ -86,7 +86,7 @@ def test_iree_refusals(tmp_path, capsys, monkeypatch):
         cli.main(["tie", "--render", str(tmp_path / "x.mlir")])
     assert e.value.code == 2 and "NAME.jaxexport or NAME.vmfb" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "iree.compiler", None)  # as if not installed
-    fails(["render", RECIPE, "--target", "iree", "--out", out], 3, "pip install 'twinstep[iree]'")
+    fails(["render", RECIPE, "--target", "iree", "--out", out], 3, "pip install -e '.[iree]'")
 
 
 def test_a_vmfb_outside_its_manifest_is_refused(tmp_path, capsys):

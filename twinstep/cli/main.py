@@ -15,10 +15,11 @@ import argparse
 import importlib
 import os
 import sys
+import textwrap
 
 from twinstep import __version__
 from twinstep.cli.options import Parser
-from twinstep.errors import BackendError, ClusterError, UsageError
+from twinstep.errors import EXIT_STATUSES, BackendError, ClusterError, UsageError
 
 COMMANDS = {  # each command's line in 'twinstep --help'; its module is twinstep.cli.<command>
     "certify": "certify the op library's hand-written VJPs (float64)",
@@ -56,11 +57,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
                     "checked parameter by parameter against the single-device step at R*N.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Run 'twinstep COMMAND --help' for a command's options.\n\n"
-               "Exit status: 0 success (tied, certified, written); 1 a check failed (not tied, "
-               "not\ncertified); 2 bad usage or input; 3 an internal or environment error; 4 "
-               "inconclusive (a\ntie within its bounds, but a bound too loose to see a 1e-3 "
-               "bug); 130 interrupted.\nErrors are one line on stderr; --debug shows the "
-               "traceback.")
+               + textwrap.fill("Exit status: " + "; ".join(
+                   f"{s} {meaning}" for s, meaning in EXIT_STATUSES.items()) + ".", 99)
+               + "\nErrors are one line on stderr; --debug shows the traceback.")
     p.add_argument("--version", action="version", version=f"twinstep {__version__}")
     p.add_argument("--debug", action="store_true",
                    help="show the traceback of an internal error (also TWINSTEP_DEBUG=1)")

@@ -195,7 +195,8 @@ def unavailable() -> str | None:
     try:
         from nvidia import nvimgcodec  # noqa: F401
     except ImportError as e:
-        return f"--loader device needs nvImageCodec: pip install 'twinstep[nvimgcodec]' ({e})"
+        return (f"--loader device needs nvImageCodec: pip install -e '.[nvimgcodec]' in "
+                f"twinstep's clone ({e})")
     return None
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from twinstep.errors import BackendError
 
-INSTALL = "pip install 'twinstep[iree]'"
+INSTALL = "pip install -e '.[iree]' in twinstep's clone"
 INPUT_TYPE = "stablehlo"
 # IREE's CPU code for this machine's instruction set (a .vmfb is as portable as -march=native)
 FLAGS = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
