@@ -421,7 +421,8 @@ def _twinstep_case(net_name: str, classes: int, rows: int, res: int):
     kx, ky = jax.random.split(jax.random.key(2))
     x = jax.random.normal(kx, (rows, res, res, 3), jnp.float64)
     t = jax.nn.one_hot(jax.random.randint(ky, (rows,), 0, classes), classes, dtype=jnp.float64)
-    out = program.grad_program(net, 1, "ce", "f64")(params, buffers, x, t)
+    grad = program.grad_program(net, replicas=1, loss="ce", precision="f64")
+    out = grad(params, buffers, x, t)
     return params, buffers, x, t, out.grads
 
 

@@ -73,7 +73,8 @@ def host_rate(data: str, kind: str, res: int, batch: int, workers: int, steps: i
 
     src = sources.get_source(data, res, kind)
     augment = sources.Augment(RANDAUGMENT, mix.MixParams(MIXUP, CUTMIX))
-    stream = loader.train_stream(src, augment, 0, 0, steps, 1, batch, workers)
+    stream = loader.train_stream(src, augment, seed=0, start=0, stop=steps, micro=1, rows=batch,
+                                 workers=workers)
     times = [time.perf_counter() for _ in stream]
     stream.close()
     half = steps // 2
@@ -92,7 +93,7 @@ def device_rates(data: str, res: int, batch: int, repeats: int) -> dict:
     runs = {}
     for name, kind in (("devices", "device"), ("devices, crops given", "pillow")):
         src = sources.get_source(data, res, kind)
-        b = loader.train_batch(src, augment, 0, 0, 1, batch)
+        b = loader.train_batch(src, augment, seed=0, step=0, micro=1, rows=batch)
         prepare = program.prepare_program(src.classes, "bf16", 1, layout=src.layout(augment))
         args = jax.device_put((b.xs, b.labels, b.mix, b.box, b.plan))
         jax.block_until_ready(prepare(*args))  # compiles

@@ -48,7 +48,8 @@ def build(net_name: str, batch: int, res: int, classes: int, options: dict | Non
     ``options``: XLA compiler options for this compile only."""
     recipe = dataclasses.replace(recipes.parse(f"{net_name}in_adamdpbf16"), batch=batch)
     net = get_net(net_name)
-    made = program.train_program(net, recipe, classes, 1, "bf16", donate=True)
+    made = program.train_program(net, recipe, classes=classes, replicas=1, precision="bf16",
+                                 donate=True)
     shapes = net.param_shapes(classes)
     params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
                                 linear=net.LINEAR_INIT)

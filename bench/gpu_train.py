@@ -56,7 +56,8 @@ def data_rate(data: str, kind: str, recipe: str, res: int, workers: int, steps: 
     augment = sources.Augment(randaugment, mix.MixParams(r.mixup, r.cutmix)
                              if r.mixup or r.cutmix else None)
     src = sources.get_source(data, res, kind)
-    stream = loader.train_stream(src, augment, 0, 0, steps, r.accum, r.batch, workers)
+    stream = loader.train_stream(src, augment, seed=0, start=0, stop=steps, micro=r.accum,
+                                 rows=r.batch, workers=workers)
     times = [time.perf_counter() for _ in stream]
     stream.close()
     last = steps - steps // 4 - 1

@@ -75,7 +75,8 @@ def twinstep_batches(root: str, workers: int, randaugment: bool, steps: int,
 
     src = sources.get_source(root, RES, kind)
     augment = sources.Augment(RANDAUGMENT if randaugment else None, mix.MixParams(MIXUP, CUTMIX))
-    stream = loader.train_stream(src, augment, 0, 0, steps, 1, ROWS, workers)
+    stream = loader.train_stream(src, augment, seed=0, start=0, stop=steps, micro=1, rows=ROWS,
+                                 workers=workers)
     return stream, stream.close
 
 

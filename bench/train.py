@@ -75,7 +75,8 @@ def loop_overhead(args) -> str:
             src = sources.get_source("digits", args.res)
             state = prog.place(state_dict.initial_state(tc, get_net(recipe.net), prog,
                                                         src.classes))
-            b = loader.train_batch(src, sources.Augment(), 0, 0, recipe.accum, tc.rows)
+            b = loader.train_batch(src, sources.Augment(), seed=0, step=0, micro=recipe.accum,
+                                   rows=tc.rows)
             xs, ts = program.prepare_program(src.classes, tc.precision, args.replicas)(
                 *jax.device_put((b.xs, b.labels), jax.sharding.NamedSharding(
                     dp.mesh(args.replicas), dp.MICRO_BATCH)), b.mix, b.box,

@@ -134,7 +134,8 @@ def test_a_step_is_a_function_of_seed_and_step_whatever_the_workers(tree):
     rows = 4
 
     def steps(workers, start=0):
-        return list(loader.train_stream(src, augment, 7, start, 4, 2, rows, workers))
+        return list(loader.train_stream(src, augment, seed=7, start=start, stop=4, micro=2,
+                                        rows=rows, workers=workers))
 
     def same(a, b):
         return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
@@ -147,14 +148,14 @@ def test_a_step_is_a_function_of_seed_and_step_whatever_the_workers(tree):
     assert same(steps(0, start=2)[0], alone[2])  # a resumed stream
     # controls: another step, another seed draw other batches; the recipe's mix was drawn
     assert not np.array_equal(alone[0].xs, alone[1].xs)
-    other = loader.train_batch(src, augment, 8, 0, 2, rows)
+    other = loader.train_batch(src, augment, seed=8, step=0, micro=2, rows=rows)
     assert not np.array_equal(other.xs, alone[0].xs)
     assert any(m[1] > 0 for b in alone for m in b.mix)
     # a process loads only its rows (the mix pairs them with other processes' rows on the
     # devices): each of its rows is the row of the whole batch, bit for bit, the mix the same
-    whole = loader.train_batch(src, augment, 7, 1, 2, rows)
+    whole = loader.train_batch(src, augment, seed=7, step=1, micro=2, rows=rows)
     for part in (slice(0, 2), slice(2, 4), slice(1, 2)):
-        b = loader.train_batch(src, augment, 7, 1, 2, rows, part)
+        b = loader.train_batch(src, augment, seed=7, step=1, micro=2, rows=rows, part=part)
         assert np.array_equal(b.xs, whole.xs[:, part]) and np.array_equal(b.labels,
                                                                           whole.labels[:, part])
         assert np.array_equal(b.mix, whole.mix) and np.array_equal(b.box, whole.box)
@@ -297,8 +298,10 @@ def test_a_packed_folder_trains_as_its_folder_does(tmp_path, capsys):
     src = sources.get_source(out, 16)
     assert isinstance(src.train, packed.Split) and sources.train_size(out) == 11
     augment = sources.Augment(randaugment=9, mix=mix.MixParams(0.2, 1.0))
-    alone = list(loader.train_stream(src, augment, 7, 0, 3, 2, 4, 0))
-    pooled = list(loader.train_stream(src, augment, 7, 0, 3, 2, 4, 2))
+    alone = list(loader.train_stream(src, augment, seed=7, start=0, stop=3, micro=2, rows=4,
+                                     workers=0))
+    pooled = list(loader.train_stream(src, augment, seed=7, start=0, stop=3, micro=2, rows=4,
+                                      workers=2))
     assert all(np.array_equal(a, b) for x, y in zip(alone, pooled, strict=True)
                for a, b in zip(x, y, strict=True))
     # the re-encode: eval crops of the packed images against the originals' (no resize here)

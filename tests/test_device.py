@@ -134,7 +134,8 @@ def test_device_rows_are_the_pillow_paths(tmp_path):
     aug = sources.Augment(9, mix.MixParams(0.2, 1.0))
     rows = 8
     for step in (0, 1):
-        want, got = (loader.train_batch(src, aug, 0, step, 1, rows) for src in (pillow, ours))
+        want, got = (loader.train_batch(src, aug, seed=0, step=step, micro=1, rows=rows)
+                     for src in (pillow, ours))
         assert got.xs.shape == (1, rows, ours.canvas, ours.canvas, 3)
         for a, b in zip(want[1:4] + (want.skipped,), got[1:4] + (got.skipped,), strict=True):
             assert np.array_equal(a, b)
@@ -142,8 +143,8 @@ def test_device_rows_are_the_pillow_paths(tmp_path):
         diff = np.abs(crops.astype(int) - want.xs[0])
         assert diff.max() <= 1 and diff.mean() <= MEAN_BOUND, step
         assert np.abs(crops[:, :, ::-1].astype(int) - want.xs[0]).mean() > 10  # control
-        plain = loader.train_batch(ours, dataclasses.replace(aug, randaugment=None), 0, step,
-                                   1, rows)
+        plain = loader.train_batch(ours, dataclasses.replace(aug, randaugment=None), seed=0,
+                                   step=step, micro=1, rows=rows)
         bare = np.asarray(device_ops.crops(plain.xs[0], plain.plan[0],
                                            ours.layout(sources.Augment())))
         assert np.abs(bare.astype(int) - want.xs[0]).max() > 1  # control: RandAugment's effect
@@ -172,7 +173,8 @@ def test_device_batches_are_a_function_of_seed_and_step(tmp_path):
     def stream(start, workers, kind="device"):
         src = sources.get_source(root, S, kind)
         assert isinstance(src, sources.Source)
-        return list(loader.train_stream(src, aug, 7, start, 4, 1, 8, workers))
+        return list(loader.train_stream(src, aug, seed=7, start=start, stop=4, micro=1, rows=8,
+                                        workers=workers))
 
     whole, resumed, pillow = stream(0, 2), stream(2, 0), stream(0, 0, "pillow")
     assert all(np.array_equal(a, b) for x, y in zip(whole[2:], resumed, strict=True)

@@ -116,8 +116,8 @@ def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none", 
     ema = timm_recipe.ema(model, recipe, control)
     loss_fn = timm_recipe.loss(recipe)
     src = sources.get_source("digits", res)
-    batches = loader.train_stream(src, sources.Augment(), 0, 0, STEPS, recipe.accum,
-                                  REPLICAS * recipe.batch, 0)
+    batches = loader.train_stream(src, sources.Augment(), seed=0, start=0, stop=STEPS,
+                                  micro=recipe.accum, rows=REPLICAS * recipe.batch, workers=0)
     named = dict(model.named_parameters())
     updates = 0
     for xs, labels, *_ in batches:

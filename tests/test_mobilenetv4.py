@@ -154,11 +154,11 @@ def _step(p, b, x, t, w, drop_path, dropout):
     def objective(z):
         return w[0] * loss.smoothed_ce(z, t)[0] + w[1] * loss.bce(z, bce_t)[0]
 
-    logits, tape, stats = net.forward(p, b, x, TRAIN, drop_path, dropout)
+    logits, tape, stats = net.forward(p, b, x, TRAIN, drop_path=drop_path, dropout=dropout)
     dz = w[0] * loss.smoothed_ce(logits, t)[1] + w[1] * loss.bce(logits, bce_t)[1]
     grads = net.backward(tape, dz)
-    reference = jax.grad(lambda q: objective(net.forward(q, b, x, TRAIN, drop_path,
-                                                         dropout)[0]))(p)
+    reference = jax.grad(lambda q: objective(net.forward(q, b, x, TRAIN, drop_path=drop_path,
+                                                         dropout=dropout)[0]))(p)
     eval_logits = net.forward(p, b, x, EVAL)[0]
     return logits, eval_logits, grads, reference, layers.update_running(b, stats)
 

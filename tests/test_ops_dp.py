@@ -21,14 +21,18 @@ N = 2  # per replica
 
 def op_cases(rng, count):
     n = count * N
-    return [cases.conv_case(rng, n, 5, 3, 4, 3, 2), cases.conv_case(rng, n, 6, 3, 4, 1, 2),
-            cases.conv_case(rng, n, 5, 3, 4, 7, 2, False, "conv"),
-            cases.conv_case(rng, n, 5, 3, 3, 5, 2, True, "shift"),
-            cases.conv_case(rng, n, 5, 3, 3, 3, 1, True, "grouped"),
+    return [cases.conv_case(rng, n, 5, c_in=3, c_out=4, k=3, stride=2),
+            cases.conv_case(rng, n, 6, c_in=3, c_out=4, k=1, stride=2),
+            cases.conv_case(rng, n, 5, c_in=3, c_out=4, k=7, stride=2, path="conv"),
+            cases.conv_case(rng, n, 5, c_in=3, c_out=3, k=5, stride=2, depthwise=True,
+                            path="shift"),
+            cases.conv_case(rng, n, 5, c_in=3, c_out=3, k=3, stride=1, depthwise=True,
+                            path="grouped"),
             cases.bn_train_case(rng, n, 3, 4), cases.relu_case(rng, n, 4, 3),
             cases.maxpool_case(rng, n, 5, 3), cases.gap_case(rng, n, 4, 3),
             cases.dense_case(rng, n, 6, 5), cases.add_case(rng, n, 3, 2),
-            cases.mask_case(rng, n, 3, 2, True), cases.mask_case(rng, n, 3, 2, False)]
+            cases.mask_case(rng, n, 3, 2, per_example=True),
+            cases.mask_case(rng, n, 3, 2, per_example=False)]
 
 
 @pytest.mark.parametrize("count", REPLICAS)
@@ -64,7 +68,7 @@ def test_bn_controls_fail(count, rng):
 def test_gradient_sum_control_fails(count, rng):
     """Summing weight gradients where the mean belongs gives R x the node: the collective fact
     fails."""
-    case = cases.conv_case(rng, count * N, 4, 2, 3, 3, 1)
+    case = cases.conv_case(rng, count * N, 4, c_in=2, c_out=3, k=3, stride=1)
     checks = {c.check: c.ok for c in oracle.check_dp_facts(case, count, rng, control="sum")}
     assert checks["collectives"] is False
 
@@ -181,7 +185,8 @@ def test_the_optimizer_state_is_laid_out_in_slices_and_placed_so():
     assert dp.slice_spec((6, 4), 2) == P(dp.AXIS)
     assert dp.slice_spec((3, 4), 2) == P(None, dp.AXIS)
     assert dp.slice_spec((3, 5), 2) == dp.slice_spec((), 2) == dp.REPLICATED
-    made = program.train_program(get_net("mnv4"), recipes.parse("mnv4in_adamdp2"), 10, 2)
+    made = program.train_program(get_net("mnv4"), recipes.parse("mnv4in_adamdp2"), classes=10,
+                                 replicas=2)
     specs = made.in_specs[0]
     mu = specs.opt_state[0].mu
     assert set(mu) == set(made.state.params) and mu["conv_stem.weight"] != dp.REPLICATED

@@ -30,13 +30,15 @@ def certify(case, seed):
 @given(n=batch, h=spatial, ci=channels, co=channels, k=kernel, s=stride, seed=seed,
        path=st.sampled_from(["conv", "matmul"]))
 def test_conv2d(n, h, ci, co, k, s, seed, path):
-    certify(cases.conv_case(np.random.default_rng(seed), n, h, ci, co, k, s, False, path), seed)
+    certify(cases.conv_case(np.random.default_rng(seed), n, h, c_in=ci, c_out=co, k=k, stride=s,
+                            path=path), seed)
 
 
 @given(n=batch, h=spatial, c=channels, k=kernel, s=stride, seed=seed,
        path=st.sampled_from(["shift", "grouped"]))
 def test_depthwise(n, h, c, k, s, seed, path):
-    certify(cases.conv_case(np.random.default_rng(seed), n, h, c, c, k, s, True, path), seed)
+    certify(cases.conv_case(np.random.default_rng(seed), n, h, c_in=c, c_out=c, k=k, stride=s,
+                            depthwise=True, path=path), seed)
 
 
 @settings(max_examples=30)
@@ -95,8 +97,8 @@ def test_elementwise_and_pooling(n, h, c, seed, op):
             "maxpool": lambda: cases.maxpool_case(rng, n, h, c),
             "gap": lambda: cases.gap_case(rng, n, h, c),
             "add": lambda: cases.add_case(rng, n, h, c),
-            "drop-path": lambda: cases.mask_case(rng, n, h, c, True),
-            "dropout": lambda: cases.mask_case(rng, n, h, c, False)}[op]()
+            "drop-path": lambda: cases.mask_case(rng, n, h, c, per_example=True),
+            "dropout": lambda: cases.mask_case(rng, n, h, c, per_example=False)}[op]()
     certify(case, seed)
 
 
@@ -112,7 +114,7 @@ def test_losses(n, k, seed, kind):
 
 def test_the_checks_can_fail(rng):
     """A VJP that is wrong by a transposed kernel must fail both certifications."""
-    case = cases.conv_case(rng, 2, 5, 3, 3, 3, 1)
+    case = cases.conv_case(rng, 2, 5, c_in=3, c_out=3, k=3, stride=1)
     wrong = cases.Case(case.name, case.forward,
                         lambda res, dy: ((case.vjp(res, dy)[0][0],),
                                          (case.vjp(res, dy)[1][0].transpose(1, 0, 2, 3),)),

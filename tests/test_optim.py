@@ -128,7 +128,7 @@ def test_optimizer_matches_oracle(kind, wx, clip, dtype, rng):
     params, grads = _problem(rng)
     if clip:
         assert min(_global_norm(g) for g in grads) > 10  # the clip triggers at every step
-    opt = optim.make_optimizer(kind, LR[kind], WD, wx, clip, params)
+    opt = optim.make_optimizer(kind, LR[kind], weight_decay=WD, wx=wx, clip=clip, params=params)
     theirs = _torch(kind, wx, clip, params, grads, dtype)
     ours = _ours(opt, params, grads, dtype)
     e1, e3 = _errs(ours, theirs)
@@ -158,7 +158,8 @@ def _wrong(name, params):
             optax.add_decayed_weights(WD, mask), optax.scale_by_trust_ratio(), lr(LR["lamb"]))
     if name == "lamb clip per tensor":
         return ("lamb", False, True), optax.chain(
-            _per_tensor_clip(), optim.make_optimizer("lamb", LR["lamb"], WD, False, False, params))
+            _per_tensor_clip(), optim.make_optimizer("lamb", LR["lamb"], weight_decay=WD, wx=False,
+                                                     clip=False, params=params))
     if name == "lamb without any clip":
         return ("lamb", True, True), optax.chain(
             optax.scale_by_adam(eps=1e-6), optax.add_decayed_weights(WD, mask),
@@ -167,14 +168,14 @@ def _wrong(name, params):
         return ("adamw", True, False), optax.chain(
             optax.add_decayed_weights(WD, mask), optax.scale_by_adam(eps=1e-8), lr(LR["adamw"]))
     if name == "adamw decay on 1-D":
-        return ("adamw", True, False), optim.make_optimizer("adamw", LR["adamw"], WD, False, False,
-                                                            params)
+        return ("adamw", True, False), optim.make_optimizer(
+            "adamw", LR["adamw"], weight_decay=WD, wx=False, clip=False, params=params)
     if name == "momentum as nesterov":
-        return ("momentum", False, False), optim.make_optimizer("sgd", LR["sgd"], WD, False, False,
-                                                                params)
+        return ("momentum", False, False), optim.make_optimizer(
+            "sgd", LR["sgd"], weight_decay=WD, wx=False, clip=False, params=params)
     if name == "sgd as heavy-ball":
-        return ("sgd", False, False), optim.make_optimizer("momentum", LR["sgd"], WD, False, False,
-                                                           params)
+        return ("sgd", False, False), optim.make_optimizer(
+            "momentum", LR["sgd"], weight_decay=WD, wx=False, clip=False, params=params)
     if name == "momentum decoupled decay":
         return ("momentum", True, False), optax.chain(
             optax.trace(0.9), optax.add_decayed_weights(WD, mask), lr(LR["momentum"]))
@@ -243,7 +244,8 @@ def test_jit_shard_map_export(rng):
     params, grads = _problem(rng)
     p = {n: jnp.asarray(v) for n, v in params.items()}
     g = {n: jnp.asarray(v) for n, v in grads[0].items()}
-    opt = optim.make_optimizer("lamb", optim.lr_schedule(0.05, 2, 10, 1e-3), WD, True, True, p)
+    opt = optim.make_optimizer("lamb", optim.lr_schedule(0.05, 2, 10, 1e-3), weight_decay=WD,
+                               wx=True, clip=True, params=p)
     state = opt.init(p)
     step = lambda p, s, g: optim.apply(opt, g, s, p)  # noqa: E731
     want = step(p, state, g)
@@ -260,7 +262,7 @@ def test_jit_shard_map_export(rng):
 
 def test_unknown_kind():
     with pytest.raises(ValueError, match="'adam'"):
-        optim.make_optimizer("adam", 1e-3, 0.0, False, False, {})
+        optim.make_optimizer("adam", 1e-3, weight_decay=0.0, wx=False, clip=False, params={})
 
 
 # ----------------------------------------------------------------------------------- the schedule
@@ -308,7 +310,8 @@ def test_lr_schedule_is_timms_per_update(warmup, total, init):
 def test_first_step_uses_lr_at_zero():
     """The first optimizer update uses lr(0) (heavy-ball's first step is −lr g)."""
     p, g = {"w": jnp.ones(3)}, {"w": jnp.arange(3.0)}
-    opt = optim.make_optimizer("momentum", optim.lr_schedule(1.0, 4, 8, 0.25), 0.0, False, False, p)
+    opt = optim.make_optimizer("momentum", optim.lr_schedule(1.0, 4, 8, 0.25), weight_decay=0.0,
+                               wx=False, clip=False, params=p)
     new, _ = optim.apply(opt, g, opt.init(p), p)
     np.testing.assert_array_equal(new["w"], 1.0 - 0.25 * g["w"])
 

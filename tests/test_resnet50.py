@@ -77,7 +77,8 @@ def test_explicit_chain_matches_jax_grad(res, batch, rng):
 @pytest.mark.oracle
 @pytest.mark.slow
 def test_parity_with_timm_f64(res, batch, loss_kind):
-    r = parity.run_parity(resnet50, res, batch, "f64", loss_kind, K, seed=1, fast_compile=True)
+    r = parity.run_parity(resnet50, res=res, batch=batch, precision="f64", loss=loss_kind,
+                          num_classes=K, seed=1, fast_compile=True)
     assert len(r.grad_errs) == 161
     assert r.logits_train_err <= 1e-9 and r.logits_eval_err <= 1e-9
     assert r.worst_grad[1] <= 1e-8, r.worst_grad
@@ -88,7 +89,8 @@ def test_parity_with_timm_f64(res, batch, loss_kind):
 @pytest.mark.oracle
 @pytest.mark.slow
 def test_parity_with_timm_f32_logits():
-    r = parity.run_parity(resnet50, 64, 4, "f32", "ce", K, seed=2, fast_compile=True)
+    r = parity.run_parity(resnet50, res=64, batch=4, precision="f32", loss="ce", num_classes=K,
+                          seed=2, fast_compile=True)
     assert r.logits_train_err <= 1e-4 and r.logits_eval_err <= 1e-4 and r.ok
 
 
@@ -107,11 +109,12 @@ def same_padded_maxpool(x):
 @pytest.mark.oracle
 @pytest.mark.slow
 def test_controls_fail_parity(monkeypatch):
-    swapped = parity.run_parity(resnet50, 64, 2, "f64", "ce", K, seed=1, tamper=swap_gammas,
-                                 fast_compile=True)
+    swapped = parity.run_parity(resnet50, res=64, batch=2, precision="f64", loss="ce",
+                                num_classes=K, seed=1, tamper=swap_gammas, fast_compile=True)
     assert not swapped.ok and swapped.logits_train_err > 1e-3
     monkeypatch.setattr(pool, "maxpool_forward", same_padded_maxpool)
-    same = parity.run_parity(resnet50, 64, 2, "f64", "ce", K, seed=1, fast_compile=True)
+    same = parity.run_parity(resnet50, res=64, batch=2, precision="f64", loss="ce",
+                             num_classes=K, seed=1, fast_compile=True)
     assert not same.ok and same.logits_train_err > 1e-3
 
 

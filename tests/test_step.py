@@ -34,12 +34,12 @@ def test_accumulation_is_the_mean_of_the_micro_steps():
     ts = jnp.asarray(np.eye(10)[rng.integers(0, 10, (2, 4))])
     ctx = layers.Ctx(precision=F64)
     grads, bufs, _ = jit(lambda p, b, x, t: step.accumulate(
-        net, rec, p, b, x, t, jax.random.key(0), ctx))(params, buffers, xs, ts)
+        net, p, b, x, t, recipe=rec, key=jax.random.key(0), ctx=ctx))(params, buffers, xs, ts)
 
     m = batchnorm.MOMENTUM  # every micro-step, as timm's train.py
     # the momentum an argument: one program for the micro-steps and the control below
     micro = jit(lambda p, b, x, t, momentum: step.grad_step(
-        net, p, b, x, t, ctx, "bce", alpha=0.0, momentum=momentum))
+        net, p, b, x, t, ctx=ctx, loss="bce", alpha=0.0, momentum=momentum))
     from twinstep.ops import loss
     t0, t1 = (loss.bce_targets(t, 0.0, None) for t in ts)
     a = micro(params, buffers, xs[0], t0, m)
@@ -69,13 +69,15 @@ def test_the_optimizer_sees_the_clipped_mean_and_eval_reads_raw_or_ema():
     opt = optim.for_recipe(rec, params)
     state = step.init_state(rec, params, buffers, opt)
     # two steps, so the second has a nonzero learning rate (warmup starts at 0)
-    train = jit(lambda st, x, t: step.train_step(net, rec, opt, st, x, t, key, ctx))
+    train = jit(lambda st, x, t: step.train_step(net, st, x, t, key, recipe=rec, opt=opt,
+                                                 ctx=ctx))
     state = train(state, xs, ts)[0]
     new = train(state, xs, ts)[0]
 
     # the mean gradient from the k = 1 program: accumulation is the mean of its micro-steps
     # (the test above), and this recipe draws no masks
-    micro = jit(lambda p, b, x, t: step.accumulate(net, rec, p, b, x, t, key, ctx)[0])
+    micro = jit(lambda p, b, x, t: step.accumulate(net, p, b, x, t, recipe=rec, key=key,
+                                                   ctx=ctx)[0])
     each = [micro(state.params, state.buffers, xs[i:i + 1], ts[i:i + 1]) for i in range(2)]
     mean = jit(lambda a, b: jax.tree.map(lambda u, v: (u + v) / 2, a, b))
     grads = mean(*each)

@@ -38,7 +38,7 @@ def run(name: str, replicas: int, steps: int = 3, control: str = "none") -> traj
     r = recipes.parse(name)
     cfg = tie.TieConfig(net=r.net, replicas=replicas, batch=r.batch, loss=r.loss, recipe=name,
                         control=control, fast_compile=r.net in FAST_COMPILE_NETS)
-    return trajectory.run_steps_tie(cfg, r, steps)
+    return trajectory.run_steps_tie(cfg, r, steps=steps)
 
 
 def fields(report: trajectory.StepsReport) -> dict:

@@ -281,7 +281,7 @@ class _StandIn:
     def __init__(self, nan_at=None):
         self.nan_at = nan_at
 
-    def train_program(self, net, recipe, classes, *a, **kw):
+    def train_program(self, net, recipe, *, classes, **kw):
         from twinstep import optim, program, step
 
         def init(params, buffers):
@@ -297,7 +297,7 @@ class _StandIn:
     def eval_program(self, *a, **kw):
         return lambda params, buffers, x: np.zeros((len(x), 10), np.float32)
 
-    def compile_step(self, prog, *a):
+    def compile_step(self, prog, **kw):
         return prog.step  # nothing to compile
 
 
@@ -349,7 +349,7 @@ def test_init_from_loads_every_tensor_and_starts_a_classifier_of_another_width_a
     path = str(tmp_path / "pretrained.safetensors")
     state_dict.save(path, saved)
     cfg = TrainConfig(RECIPE, str(tmp_path / "run"), init_from=path)
-    prog = program.train_program(mobilenetv4, cfg.parsed_recipe(), 10)
+    prog = program.train_program(mobilenetv4, cfg.parsed_recipe(), classes=10)
     state = state_dict.initial_state(cfg, mobilenetv4, prog, 10)
     head = ("classifier.weight", "classifier.bias")
     assert all(np.array_equal(state.params[n], saved[n]) for n in shapes if n not in head)

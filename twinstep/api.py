@@ -131,7 +131,7 @@ def load_render(path: str) -> LoadedRender:
     return LoadedRender(exported, manifest, path)
 
 
-def tie_render(path: str, steps: int | None = None, seed: int = 0, shift: bool = True,
+def tie_render(path: str, steps: int | None = None, *, seed: int = 0, shift: bool = True,
                fast_compile: bool = False, progress=None):
     """Tie a render's step (an f64 render) against the single-device Python step over ``steps``
     whole steps; net, R, N, resolution, classes and recipe come from its manifest. ``path``:
@@ -195,8 +195,8 @@ def pack(folder: str, out: str, max_side: int | None = None, quality: int | None
     from twinstep.processes import disk
 
     disk.check_writable_folder(out, "--out")
-    return packed.pack(folder, out, max_side or packed.MAX_SIDE, quality or packed.QUALITY,
-                       progress=progress)
+    return packed.pack(folder, out, max_side=max_side or packed.MAX_SIDE,
+                       quality=quality or packed.QUALITY, progress=progress)
 
 
 def render(name: str, replicas: int = 1, out: str | None = None, **config):

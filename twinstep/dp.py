@@ -141,7 +141,7 @@ def jit(fn, fast_compile: bool = False, donate: tuple = ()):
     return jax.jit(fn, compiler_options=compiler_options(fast_compile), donate_argnums=donate)
 
 
-def replica_map(fn, count: int, in_specs, out_specs, fast_compile: bool = False,
+def replica_map(fn, count: int, in_specs, out_specs, *, fast_compile: bool = False,
                 on=None, donate: tuple = ()):
     """jit(shard_map(fn)) over `mesh(count)` (or the mesh ``on``, e.g. `abstract_mesh`);
     ``BATCH`` specs shard the leading axis; ``donate`` as in `jit`.
@@ -159,7 +159,8 @@ def per_replica(fn, on, in_specs, out_specs):
     return jax.shard_map(fn, mesh=on, in_specs=in_specs, out_specs=out_specs, check_vma=True)
 
 
-def laid_out_jit(fn, on, in_specs, out_specs, fast_compile: bool = False, donate: tuple = ()):
+def laid_out_jit(fn, on, in_specs, out_specs, *, fast_compile: bool = False,
+                 donate: tuple = ()):
     """`jit` of a global-view ``fn`` (XLA partitions it over the mesh ``on``) whose arguments
     and results are laid out as the PartitionSpec trees ``in_specs`` / ``out_specs`` say; an
     argument laid out otherwise is refused, so callers place it first (`place`)."""

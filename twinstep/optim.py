@@ -97,7 +97,7 @@ def clip_grad_norm(max_norm: float = CLIP_NORM) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(kind: str, learning_rate, weight_decay: float, wx: bool, clip: bool,
+def make_optimizer(kind: str, learning_rate, *, weight_decay: float, wx: bool, clip: bool,
                    params: dict) -> optax.GradientTransformation:
     """The optimizer ``kind`` (one of KINDS) with timm's / torch's semantics (module docstring).
 
@@ -135,7 +135,8 @@ def recipe_schedule(recipe) -> optax.Schedule:
 def for_recipe(recipe, params: dict) -> optax.GradientTransformation:
     """A recipe's clip + optimizer at its schedule (`twinstep.recipes.Recipe`'s fields)."""
     return make_optimizer(recipe.optimizer, recipe_schedule(recipe),
-                          recipe.effective_weight_decay, recipe.wx, recipe.clip, params)
+                          weight_decay=recipe.effective_weight_decay, wx=recipe.wx,
+                          clip=recipe.clip, params=params)
 
 
 def apply(opt: optax.GradientTransformation, grads: dict, opt_state, params: dict):

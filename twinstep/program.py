@@ -49,7 +49,7 @@ def _stacked(tree):
     return jax.tree.map(lambda a: a[None], tree)
 
 
-def grad_program(net: Net, replicas: int = 1, loss: str = "ce",
+def grad_program(net: Net, *, replicas: int = 1, loss: str = "ce",
                  precision: str | Precision = "f32", control: str = "none",
                  collective: bool = True, per_replica: bool = False, fast_compile: bool = False,
                  depthwise_path: str | None = None, dense_path: str | None = None):
@@ -60,7 +60,7 @@ def grad_program(net: Net, replicas: int = 1, loss: str = "ce",
     ctx = context(replicas, precision, control, depthwise_path, dense_path)
 
     def fn(p, b, x, t):
-        out = step.grad_step(net, p, b, x, t, ctx, loss, collective=collective)
+        out = step.grad_step(net, p, b, x, t, ctx=ctx, loss=loss, collective=collective)
         if not per_replica:
             return out
         grads = out.grads if collective else _stacked(out.grads)
@@ -70,7 +70,7 @@ def grad_program(net: Net, replicas: int = 1, loss: str = "ce",
     r, s = dp.REPLICATED, dp.BATCH
     own = s if per_replica else r  # stacked per-replica outputs are sharded along [R, ...]
     out_specs = step.StepOut(r, r if collective else s, own, own, s)
-    return dp.replica_map(fn, replicas, (r, r, s, s), out_specs, fast_compile)
+    return dp.replica_map(fn, replicas, (r, r, s, s), out_specs, fast_compile=fast_compile)
 
 
 def eval_program(net: Net, precision: str | Precision = "f32", fast_compile: bool = False,
@@ -129,7 +129,8 @@ def prepare_program(classes: int, precision: str | Precision, replicas: int = 1,
     if replicas == 1:
         return dp.jit(prepare, fast_compile)
     r, s = dp.REPLICATED, dp.MICRO_BATCH
-    return dp.laid_out_jit(prepare, dp.mesh(replicas), (s, s, r, r, s), (s, s), fast_compile)
+    return dp.laid_out_jit(prepare, dp.mesh(replicas), (s, s, r, r, s), (s, s),
+                           fast_compile=fast_compile)
 
 
 class TrainProgram(NamedTuple):
@@ -149,7 +150,7 @@ def abstract_params(net: Net, classes: int, dtype) -> tuple[dict, dict]:
             {k: jax.ShapeDtypeStruct(s, dtype) for k, s in layers.buffer_shapes(shapes).items()})
 
 
-def train_program(net: Net, recipe, classes: int, replicas: int = 1,
+def train_program(net: Net, recipe, *, classes: int, replicas: int = 1,
                   precision: str | Precision = "f32", control: str = "none", mesh=None,
                   flat: bool = False, donate: bool = False, fast_compile: bool = False,
                   depthwise_path: str | None = None, dense_path: str | None = None,
@@ -185,11 +186,13 @@ def train_program(net: Net, recipe, classes: int, replicas: int = 1,
     ctx = context(replicas, prec, control, depthwise_path, dense_path)
     if (replicas > 1 and shard_optimizer and not flat and cluster.count() == 1
             and recipe.optimizer not in optim.PER_TENSOR_NORMS):
-        return _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh or
-                                         dp.mesh(replicas), donate, fast_compile)
+        return _sliced_optimizer_program(net, recipe, opt=opt, init=init, state=state, ctx=ctx,
+                                         mesh=mesh or dp.mesh(replicas), donate=donate,
+                                         fast_compile=fast_compile)
 
     def train(st, xs, ts, key, row_order=None):
-        return step.train_step(net, recipe, opt, st, xs, ts, key, ctx, row_order)
+        return step.train_step(net, st, xs, ts, key, recipe=recipe, opt=opt, ctx=ctx,
+                               row_order=row_order)
 
     r, s = dp.REPLICATED, dp.MICRO_BATCH
     if flat:
@@ -209,13 +212,13 @@ def train_program(net: Net, recipe, classes: int, replicas: int = 1,
         fn, in_specs, out_specs, donated = train, (r, s, s, r), (r, r), (0,)
     if replicas == 1:  # one device: nothing is sharded
         in_specs = (r,) * len(in_specs)
-    program = dp.replica_map(fn, replicas, in_specs, out_specs, fast_compile, on=mesh,
+    program = dp.replica_map(fn, replicas, in_specs, out_specs, fast_compile=fast_compile, on=mesh,
                              donate=donated if donate else ())
     return TrainProgram(opt, init, program, state, in_specs,
                         lambda st: dp.replicate(st, replicas))
 
 
-def compile_step(prog: TrainProgram, replicas: int, micro: tuple[int, int], res: int,
+def compile_step(prog: TrainProgram, *, replicas: int, micro: tuple[int, int], res: int,
                  classes: int, precision: str | Precision):
     """``prog.step`` compiled ahead of time for the trainer's arguments, before any of them
     exists: the state as ``prog.place`` lays it out, xs [k, R N, S, S, 3] and ts [k, R N, K]
@@ -232,7 +235,7 @@ def compile_step(prog: TrainProgram, replicas: int, micro: tuple[int, int], res:
     return settings.compiled(prog.step.lower(state, *rows, key), devices)
 
 
-def _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh, donate: bool,
+def _sliced_optimizer_program(net, recipe, *, opt, init, state, ctx, mesh, donate: bool,
                               fast_compile: bool) -> TrainProgram:
     """train_program's step with the optimizer state spread over the replicas: the micro-steps
     and the gradient collective per replica (shard_map), then the update on the whole arrays,
@@ -253,19 +256,19 @@ def _sliced_optimizer_program(net, recipe, opt, init, state, ctx, mesh, donate: 
     # each replica receives only the slices of the mean gradient it updates (a reduce-scatter)
     dims = {k: dp.slice_dim(p.shape, count) for k, p in state.params.items()}
     accumulate = dp.per_replica(
-        lambda p, b, xs, ts, key: step.accumulate(net, recipe, p, b, xs, ts, key, ctx,
-                                                  slice_dims=dims, packed=False),
+        lambda p, b, xs, ts, key: step.accumulate(net, p, b, xs, ts, recipe=recipe, key=key,
+                                                  ctx=ctx, slice_dims=dims, packed=False),
         mesh, (r, r, s, s, r), (grad_specs, r, r))
 
     def train(st, xs, ts, key):
         grads, buffers, loss = accumulate(st.params, st.buffers, xs, ts, key)
-        return step.update(recipe, opt, st, grads, buffers, loss,
+        return step.update(st, grads, buffers, loss, recipe=recipe, opt=opt,
                            sliced=lambda t: jax.lax.with_sharding_constraint(t, slices),
                            whole=lambda t: jax.lax.with_sharding_constraint(
                                t, {k: everywhere for k in t}))
 
     in_specs = (state_specs, s, s, r)
-    program = dp.laid_out_jit(train, mesh, in_specs, (state_specs, r), fast_compile,
+    program = dp.laid_out_jit(train, mesh, in_specs, (state_specs, r), fast_compile=fast_compile,
                               donate=(0,) if donate else ())
     return TrainProgram(opt, init, program, state, in_specs,
                         lambda st: dp.place(st, state_specs, count))

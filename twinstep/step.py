@@ -39,8 +39,8 @@ class StepOut(NamedTuple):
     logits: object  # [N, K] this replica's rows
 
 
-def grad_step(net, params: dict, buffers: dict, x, targets, ctx: layers.Ctx, loss: str = "ce",
-              masks: dict | None = None, collective: bool = True,
+def grad_step(net, params: dict, buffers: dict, x, targets, *, ctx: layers.Ctx,
+              loss: str = "ce", masks: dict | None = None, collective: bool = True,
               alpha: float = losses.LABEL_SMOOTHING,
               momentum: float = batchnorm.MOMENTUM) -> StepOut:
     """x [N, H, W, 3], targets [N, K] -> StepOut. ``masks``: keyword masks of net.forward
@@ -126,7 +126,7 @@ def shard_masks(masks: dict, rep, row_order=None) -> dict:
     return {k: rep.shard_rows(m, MASK_BATCH_AXIS[k]) for k, m in masks.items()}
 
 
-def accumulate(net, recipe, params: dict, buffers: dict, xs, ts, key, ctx: layers.Ctx,
+def accumulate(net, params: dict, buffers: dict, xs, ts, *, recipe, key, ctx: layers.Ctx,
                row_order=None, slice_dims: dict | None = None, packed: bool = True):
     """k micro-steps: xs [k, N, S, S, 3], ts [k, N, K] (this replica's rows). Returns (mean
     gradient over the k micro-steps, running statistics after them, mean loss). Each micro-step
@@ -147,8 +147,8 @@ def accumulate(net, recipe, params: dict, buffers: dict, xs, ts, key, ctx: layer
         grads, bufs, total = carry
         x, t, i = inp
         masks = draw_masks(net, recipe, jax.random.fold_in(key, i), n * rep.count, x.dtype)
-        out = grad_step(net, params, bufs, x, t, ctx, recipe.loss,
-                        shard_masks(masks, rep, row_order), collective=False, alpha=alpha,
+        out = grad_step(net, params, bufs, x, t, ctx=ctx, loss=recipe.loss,
+                        masks=shard_masks(masks, rep, row_order), collective=False, alpha=alpha,
                         momentum=momentum)
         grads = jax.tree.map(lambda a, g: a + g, grads, out.grads)
         return (grads, out.buffers, total + out.loss), None
@@ -163,18 +163,20 @@ def accumulate(net, recipe, params: dict, buffers: dict, xs, ts, key, ctx: layer
             total / k)
 
 
-def train_step(net, recipe, opt: optax.GradientTransformation, state: TrainState, xs, ts, key,
-               ctx: layers.Ctx, row_order=None) -> tuple[TrainState, dict]:
+def train_step(net, state: TrainState, xs, ts, key, *, recipe,
+               opt: optax.GradientTransformation, ctx: layers.Ctx,
+               row_order=None) -> tuple[TrainState, dict]:
     """One optimizer step of ``recipe``: xs [k, N, S, S, 3], ts [k, N, K] soft targets (this
     replica's rows of the global micro-batches), key the step's key (the same on every replica).
     Returns (new state, {"loss", "lr"}). row_order: see `accumulate`."""
-    grads, buffers, loss = accumulate(net, recipe, state.params, state.buffers, xs, ts, key, ctx,
-                                      row_order)
-    return update(recipe, opt, state, grads, buffers, loss)
+    grads, buffers, loss = accumulate(net, state.params, state.buffers, xs, ts, recipe=recipe,
+                                      key=key, ctx=ctx, row_order=row_order)
+    return update(state, grads, buffers, loss, recipe=recipe, opt=opt)
 
 
-def update(recipe, opt: optax.GradientTransformation, state: TrainState, grads: dict,
-           buffers: dict, loss, sliced=None, whole=None) -> tuple[TrainState, dict]:
+def update(state: TrainState, grads: dict, buffers: dict, loss, *, recipe,
+           opt: optax.GradientTransformation, sliced=None,
+           whole=None) -> tuple[TrainState, dict]:
     """The step after the gradient collective: the clip and the optimizer on the mean gradient
     ``grads``, then the EMA; ``buffers`` and ``loss`` as `accumulate` returns them. ``sliced`` /
     ``whole`` (params dict -> params dict, identity by default): where the optimizer's arithmetic

@@ -46,14 +46,14 @@ def programs(name: str, res: int, batch: int) -> dict:
     xs = jnp.asarray(rng.standard_normal((2, batch, res, res, 3)), jnp.float32)
     ts = jax.nn.one_hot(jnp.asarray(rng.integers(0, CLASSES, (2, batch))), CLASSES)
     fns = {}
-    grad = jax.jit(lambda p, b, x, t: step.grad_step(net, p, b, x, t, ctx).grads)
+    grad = jax.jit(lambda p, b, x, t: step.grad_step(net, p, b, x, t, ctx=ctx).grads)
     grad = grad.lower(params, buffers, xs[0], ts[0]).compile()
     fns["grad_step"] = lambda: block(grad(params, buffers, xs[0], ts[0]))
     for k in (1, 2):
         named = f"{name}in_accdp{k}x" if k > 1 else f"{name}in_adamdp"
         recipe = dataclasses.replace(recipes.parse(named), batch=batch)
         acc = jax.jit(lambda p, b, x, t, recipe=recipe: step.accumulate(
-            net, recipe, p, b, x, t, key, ctx)[0])
+            net, p, b, x, t, recipe=recipe, key=key, ctx=ctx)[0])
         acc = acc.lower(params, buffers, xs[:k], ts[:k]).compile()
         fns[f"accumulate k={k}"] = lambda acc=acc, k=k: block(acc(params, buffers, xs[:k],
                                                                    ts[:k]))

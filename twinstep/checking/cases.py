@@ -37,7 +37,7 @@ def normal(rng, shape, shift=0.0):
     return jnp.asarray(rng.standard_normal(shape) + shift, jnp.float64)
 
 
-def conv_case(rng, n, h, c_in, c_out, k, stride, depthwise=False, path=None) -> Case:
+def conv_case(rng, n, h, *, c_in, c_out, k, stride, depthwise=False, path=None) -> Case:
     x = normal(rng, (n, h, h, c_in))
     if depthwise:
         w = normal(rng, (c_in, 1, k, k))
@@ -135,7 +135,7 @@ def add_case(rng, n, h, c) -> Case:
                 lambda res, dy: (elementwise.add_vjp(dy), ()), (a, b))
 
 
-def mask_case(rng, n, h, c, per_example: bool, rate=0.3) -> Case:
+def mask_case(rng, n, h, c, *, per_example: bool, rate=0.3) -> Case:
     x = normal(rng, (n, h, h, c))
     shape = (n,) if per_example else x.shape
     mask = jnp.asarray((rng.uniform(size=shape) >= rate) / (1 - rate), jnp.float64)
@@ -178,13 +178,13 @@ def loss_case_fn(kind: str):
 
 def all_cases(rng, n=2, h=5, c=3):
     """Every op at one small shape (the certification summary)."""
-    cases = [conv_case(rng, n, h, c, 4, k, s, False, path)
+    cases = [conv_case(rng, n, h, c_in=c, c_out=4, k=k, stride=s, path=path)
              for path in conv.DENSE_PATHS for k in (1, 3, 5, 7) for s in (1, 2)]
-    cases += [conv_case(rng, n, h, c, c, k, s, True, path)
+    cases += [conv_case(rng, n, h, c_in=c, c_out=c, k=k, stride=s, depthwise=True, path=path)
               for path in conv.DEPTHWISE_PATHS for k in (3, 5) for s in (1, 2)]
     cases += [bn_train_case(rng, n, h, c), bn_eval_case(rng, n, h, c), relu_case(rng, n, h, c),
               maxpool_case(rng, n, h, c), gap_case(rng, n, h, c), dense_case(rng, n, 6, 4),
-              add_case(rng, n, h, c), mask_case(rng, n, h, c, True),
-              mask_case(rng, n, h, c, False), loss_case(rng, n, 5, "ce"),
+              add_case(rng, n, h, c), mask_case(rng, n, h, c, per_example=True),
+              mask_case(rng, n, h, c, per_example=False), loss_case(rng, n, 5, "ce"),
               loss_case(rng, n, 5, "bce")]
     return cases

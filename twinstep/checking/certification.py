@@ -53,7 +53,7 @@ def run(replica_counts=(2, 4), seed: int = 0) -> Report:
         if count == 1:
             continue
         bn = cases.bn_train_case(rng, n, 3, 4)
-        conv = cases.conv_case(rng, n, 5, 3, 4, 3, 2)
+        conv = cases.conv_case(rng, n, 5, c_in=3, c_out=4, k=3, stride=2)
         facts = {c: {f.check: f for f in oracle.check_dp_facts(case, count, rng, control=c)}
                  for c, case in (("unsynced", bn), ("shard-gamma", bn), ("sum", conv))}
         controls += [("unsynced", "BN sharding", facts["unsynced"]["sharding"]),

@@ -24,7 +24,7 @@ MIXUP_LAMBDA = (0.3, 1.0)  # the mixing weight's range: every target row is soft
 NEAR_INIT_BETA = 0.1
 
 
-def batch(rng: np.random.Generator, lead: tuple, res: int, classes: int, replicas: int,
+def batch(rng: np.random.Generator, lead: tuple, *, res: int, classes: int, replicas: int,
           shift: bool, dtype):
     """(x [*lead, S, S, 3], t [*lead, K]) in ``dtype``; the last axis of ``lead`` holds the
     R N rows (``lead`` = (R N,) for a batch, (k, R N) for k micro-batches). Images are standard
@@ -62,8 +62,8 @@ def setup(cfg, net):
     else:
         params, buffers = layers.randomize_bn(jax.random.fold_in(key, 1), params, buffers)
     rng = np.random.default_rng(cfg.seed)
-    x, t = batch(rng, (cfg.replicas * cfg.batch,), cfg.res, cfg.classes, cfg.replicas,
-                 cfg.shift, prec.dtype)
+    x, t = batch(rng, (cfg.replicas * cfg.batch,), res=cfg.res, classes=cfg.classes,
+                 replicas=cfg.replicas, shift=cfg.shift, dtype=prec.dtype)
     if cfg.loss == "bce":
         t = losses.bce_targets(t, smoothing=0.1)
     return params, buffers, x, t

@@ -105,7 +105,7 @@ def check_fd(case: Case, rng) -> Check:
 # ------------------------------------------------------------------------ data-parallel facts
 
 
-def _replica_run(case: Case, rep: Replicas, batch, masks, params, dy):
+def _replica_run(batch, masks, params, dy, *, case: Case, rep: Replicas):
     """Inside shard_map: forward, hand VJP, and the parameter-gradient collective."""
     y, res = case.forward(rep, batch, masks, params)
     d_batch, d_params = case.vjp(res, dy)
@@ -121,7 +121,7 @@ def check_dp_facts(case: Case, count: int, rng, shift: float = 1.0,
     dy = _cotangent(rng, y)
     d_batch, d_params = _jit(lambda b, p, g: _hand_vjp(case, b, p, g))(batch, case.params, dy)
     rep = dp.replicas(count, control)
-    run = dp.replica_map(lambda b, m, p, g: _replica_run(case, rep, b, m, p, g), count,
+    run = dp.replica_map(lambda b, m, p, g: _replica_run(b, m, p, g, case=case, rep=rep), count,
                          (dp.BATCH, dp.BATCH, dp.REPLICATED, dp.BATCH),
                          (dp.BATCH, dp.BATCH, dp.REPLICATED), fast_compile=True)
     ry, rd_batch, rd_params = run(batch, case.masks, case.params, dy)
@@ -142,7 +142,7 @@ def check_dp_facts(case: Case, count: int, rng, shift: float = 1.0,
     return checks
 
 
-def check_divisor(kind: str, count: int, rng, n: int = 2, k: int = 5,
+def check_divisor(kind: str, count: int, rng, *, n: int = 2, k: int = 5,
                   control: str = "none") -> Check:
     """Fact (4): each replica's loss cotangent is R x its shard of the global cotangent."""
     z = normal(rng, (count * n, k)) * 2.0
@@ -165,7 +165,7 @@ def naive_moments_exchange(x, rep: Replicas):
     return m1, m2 - m1 * m1
 
 
-def variance_exchange_errors(count: int, rng, offset: float = 1e4, n=4, h=4, c=8):
+def variance_exchange_errors(count: int, rng, *, offset: float = 1e4, n=4, h=4, c=8):
     """Relative error of the global variance from f32 shards sharing a large offset, against the
     float64 variance of the same f32 values: (Chan's two-round form, the naive one-round form)."""
     x64 = dp.shift_shards(normal(rng, (count * n, h, h, c), offset), count, 1.0)

@@ -106,7 +106,7 @@ def loss_and_targets(kind: str, labels, num_classes: int):
             torch.tensor(labels))
 
 
-def run_parity(net, res: int = 64, batch: int = 2, precision: str = "f64", loss: str = "ce",
+def run_parity(net, *, res: int = 64, batch: int = 2, precision: str = "f64", loss: str = "ce",
                num_classes: int = 10, seed: int = 0, params=None, buffers=None,
                tamper=None, fast_compile: bool = False) -> ParityReport:
     """One train step and one eval forward of ``net`` in twinstep and in timm, same weights.
@@ -137,7 +137,8 @@ def run_parity(net, res: int = 64, batch: int = 2, precision: str = "f64", loss:
 
     ours = tamper(params) if tamper else params
     xj = jnp.asarray(x, prec.dtype)
-    out = program.grad_program(net, 1, loss, prec, fast_compile=fast_compile)(
+    out = program.grad_program(net, replicas=1, loss=loss, precision=prec,
+                               fast_compile=fast_compile)(
         ours, buffers, xj, jnp.asarray(targets, prec.dtype))
     logits, grads, new_buffers = out.logits, out.grads, out.buffers
     eval_logits = program.eval_program(net, prec, fast_compile)(ours, buffers, xj)

@@ -126,21 +126,23 @@ def _check_steps_config(cfg: TieConfig, recipe) -> None:
 
 def single_program(net, cfg: TieConfig, prec: Precision):
     """The single-device gradient step at the global batch R N."""
-    return _grad_program(net, 1, cfg.loss, prec, "none", True, False, cfg.fast_compile)
+    return _grad_program(net, replicas=1, loss=cfg.loss, precision=prec, control="none",
+                         collective=True, per_replica=False, fast_compile=cfg.fast_compile)
 
 
 def replica_program(net, cfg: TieConfig, prec: Precision, collective: bool = True):
     """The replica step; per-replica outputs (statistics, buffers, and without the collective the
     gradients) come back stacked along a leading replica axis, to check they agree."""
-    return _grad_program(net, cfg.replicas, cfg.loss, prec, cfg.control, collective, True,
-                         cfg.fast_compile)
+    return _grad_program(net, replicas=cfg.replicas, loss=cfg.loss, precision=prec,
+                         control=cfg.control, collective=collective, per_replica=True,
+                         fast_compile=cfg.fast_compile)
 
 
 # Ties ask for the same programs again (other seeds, shifts, the tests): one compile each.
 _grad_program = functools.lru_cache(maxsize=16)(program.grad_program)
 
 
-def noise_floor(single, params, buffers, x, t, ref, seed):
+def noise_floor(single, params, buffers, x, t, *, ref, seed):
     """SENSITIVITY of each gradient, BN statistic and the loss of the single-device step: the
     larger of its relative change under (a) a rounding-sized relative perturbation of the input
     and (b) the same batch in reverse order — the same mathematics summed in other orders,
@@ -219,7 +221,7 @@ def single_side(cfg: TieConfig, net) -> tuple:
     batches = _batches(cfg, x)
     runs = [single(params, buffers, xi, t) for xi in batches]
     if len(runs) == 1:
-        return start, runs, noise_floor(single, params, buffers, x, t, runs[0], cfg.seed)
+        return start, runs, noise_floor(single, params, buffers, x, t, ref=runs[0], seed=cfg.seed)
     reordered = [single(params, buffers, xi[::-1], t[::-1]) for xi in batches]
     return start, runs, bounds.closest(runs, reordered)
 
@@ -241,11 +243,11 @@ def _run_programs(cfg: TieConfig, net, prec: Precision, say) -> tuple:
     params, buffers, x, t = start
     say(f"the replica step, {cfg.replicas} replicas of N = {cfg.batch} (compiling, running)")
     replica = replica_program(net, cfg, prec)
-    reps = [_on_replicas(replica, cfg, params, buffers, xi, t) for xi in _batches(cfg, x)]
+    reps = [_on_replicas(replica, params, buffers, xi, t, cfg=cfg) for xi in _batches(cfg, x)]
     return start, singles, reps, floors, _replicas_agree(*reps)
 
 
-def _on_replicas(replica, cfg: TieConfig, params, buffers, x, t):
+def _on_replicas(replica, params, buffers, x, t, *, cfg: TieConfig):
     """``replica(params, buffers, x, t)``. With several processes (`twinstep.processes.cluster`)
     the inputs — the same in every process — are placed on the replicas first, each process
     putting its own devices' shards, and every output is gathered back whole into every
@@ -273,8 +275,8 @@ def run_tie(cfg: TieConfig, net=None, progress=None) -> TieReport:
     if prec.name == "bf16":
         say("the replicas' unrounded partial sums (the bf16 bound)")
         probe = dataclasses.replace(prec, round_weight_grads=False)
-        partials = _on_replicas(replica_program(net, cfg, probe, collective=False), cfg,
-                                params, buffers, x, t).grads
+        partials = _on_replicas(replica_program(net, cfg, probe, collective=False), params,
+                                buffers, x, t, cfg=cfg).grads
 
     parameters = []
     for name, shape in net.param_shapes(cfg.classes).items():

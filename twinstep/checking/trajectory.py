@@ -136,7 +136,7 @@ def train_programs(net, recipe, cfg: TieConfig, prec: Precision) -> tuple:
             program.train_program(net, recipe, replicas=cfg.replicas, control=cfg.control, **kw))
 
 
-def run_steps_tie(cfg: TieConfig, recipe=None, steps: int = STEPS, net=None, replica=None,
+def run_steps_tie(cfg: TieConfig, recipe=None, *, steps: int = STEPS, net=None, replica=None,
                   progress=None) -> StepsReport:
     """S whole training steps of ``recipe`` (default: cfg.recipe's; k micro-steps each) on R
     replicas of N and on one device at R N, from the same state and the same global batches and
@@ -172,8 +172,8 @@ def run_steps_tie(cfg: TieConfig, recipe=None, steps: int = STEPS, net=None, rep
     order, reverse = np.arange(n), np.arange(n)[::-1]
     report = StepsReport(cfg, [])
     for s in range(steps):
-        xs, ts = inputs.batch(rng, (k, n), cfg.res, cfg.classes, cfg.replicas, cfg.shift,
-                              prec.dtype)
+        xs, ts = inputs.batch(rng, (k, n), res=cfg.res, classes=cfg.classes,
+                              replicas=cfg.replicas, shift=cfg.shift, dtype=prec.dtype)
         key = jax.random.fold_in(jax.random.key(cfg.seed), s)
         u = jax.random.normal(jax.random.fold_in(key, 1), xs.shape, xs.dtype)
         if primary:

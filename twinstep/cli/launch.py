@@ -24,11 +24,12 @@ def add(p) -> None:
         + "\n\n"
         "example: twinstep launch --local 2 -- train mnv4in_adamdp --data digits --replicas 4 "
         "--out run")
-    options.count(p, "--local", None, "processes to start on this host", "P", required=True)
+    options.count(p, "--local", None, "processes to start on this host", metavar="P", required=True)
     p.add_argument("--port", type=options.int_in(1, 65536), metavar="PORT",
                    help="the coordinator's port (default: a free one)")
     options.count(p, "--gpus-per-process", None, "give process i GPUs i*G .. (i+1)*G-1 "
-                                                 "(JAX_LOCAL_DEVICE_IDS); default: JAX's", "G")
+                                                 "(JAX_LOCAL_DEVICE_IDS); default: JAX's",
+                  metavar="G")
     p.add_argument("--max-restarts", type=options.int_in(0, 1001), default=0, metavar="N",
                    help="when a process fails, stop the others and start all again, up to N "
                         "times: a train run resumes from its latest checkpoint; each restart is "
@@ -45,5 +46,5 @@ def run(args, parser) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not 0 <= args.restart_delay <= 3600:  # also refuses nan
         parser.error(f"--restart-delay must be in [0, 3600] s, got {args.restart_delay}")
-    return launcher.run(args.local, cmd, args.port, args.gpus_per_process, args.max_restarts,
-                        args.restart_delay)
+    return launcher.run(args.local, cmd, port=args.port, gpus_per_process=args.gpus_per_process,
+                        max_restarts=args.max_restarts, restart_delay=args.restart_delay)

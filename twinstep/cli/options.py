@@ -43,7 +43,7 @@ def int_in(low: int, high: int | None = None):
     return parse
 
 
-def count(p, flag: str, default, help: str, metavar: str | None = None, least: int = 1,
+def count(p, flag: str, default, help: str, *, metavar: str | None = None, least: int = 1,
           **kw) -> None:
     """An integer option that must be >= ``least`` (--replicas, --batch, --res, --steps: 1;
     --classes: 2)."""
@@ -80,7 +80,7 @@ def cluster(p) -> None:
     g.add_argument("--coordinator", metavar="HOST:PORT",
                    help="where process 0 serves the runtime's coordination (a free port on its "
                         "host, reachable from every other host)")
-    count(g, "--num-processes", None, "how many processes take part, P", "P")
+    count(g, "--num-processes", None, "how many processes take part, P", metavar="P")
     g.add_argument("--process-id", type=int_in(0), metavar="I",
                    help="this process's number, 0 .. P-1 (0 writes the logs and reports)")
 

@@ -22,7 +22,7 @@ def add(p) -> None:
     p.add_argument("folder", metavar="DIR", help="the image folder")
     p.add_argument("--out", required=True, metavar="PACKED", help="a new (or empty) folder")
     options.count(p, "--max-side", packed.MAX_SIDE,
-                  f"the short side's bound in pixels (default {packed.MAX_SIDE})", "S")
+                  f"the short side's bound in pixels (default {packed.MAX_SIDE})", metavar="S")
     p.add_argument("--quality", type=options.int_in(1, 96), default=packed.QUALITY,
                    metavar="Q", help=f"JPEG quality, 1-95 (default {packed.QUALITY})")
 

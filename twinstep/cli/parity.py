@@ -39,8 +39,8 @@ def run(args, parser) -> int:
     try:
         with (settings.jax_settings(jax_enable_x64=args.precision == "f64"),
               status(f"{net.NAME}: one train step and one eval forward in both")):
-            r = parity.run_parity(net, args.res, args.batch, args.precision, args.loss,
-                                  args.classes, args.seed)
+            r = parity.run_parity(net, res=args.res, batch=args.batch, precision=args.precision,
+                                  loss=args.loss, num_classes=args.classes, seed=args.seed)
     except parity.OracleMissing as e:
         raise UsageError(str(e)) from None
     show(r, args.res, args.batch, args.classes)

@@ -46,7 +46,7 @@ def add(p) -> None:
     options.replicas(step, None, f"replicas R (default {default['replicas']})", "R")
     options.count(step, "--batch", None, "examples per replica (default: "
                   + ", ".join(f"{v['batch']} in {k}" for k, v in PRECISION_DEFAULTS.items())
-                  + "; the recipe's N)", "N")
+                  + "; the recipe's N)", metavar="N")
     options.count(step, "--res", None, f"input resolution (default {default['res']})")
     options.count(step, "--classes", None, f"classes K (default {default['classes']})")
     step.add_argument("--loss", choices=["ce", "bce"], help="default ce, or the recipe's loss")
@@ -66,7 +66,7 @@ def add(p) -> None:
                    help="tie a render instead of the Python step: NAME.jaxexport (XLA) or "
                         "NAME.vmfb (IREE) from 'twinstep render --precision f64'")
     options.count(p, "--steps", None, "whole steps to tie with --recipe or --render (default "
-                                      "3)", "S")
+                                      "3)", metavar="S")
     options.seed(p)
     p.add_argument("--shift", action=argparse.BooleanOptionalAction, default=True,
                    help="offset replica r's inputs by r, so Chan's correction is O(1) "
@@ -124,8 +124,8 @@ def run(args, parser) -> int:
     t0 = time.perf_counter()
     with status("preparing the tie", quiet=not primary) as say:
         if args.render is not None:
-            result = api.tie_render(args.render, args.steps, args.seed, args.shift,
-                                    args.fast_compile, progress=say)
+            result = api.tie_render(args.render, args.steps, seed=args.seed, shift=args.shift,
+                                    fast_compile=args.fast_compile, progress=say)
         elif args.recipe is not None:
             result = api.tie_steps(config.pop("recipe"), args.steps, progress=say,
                                    net=args.net, **config)

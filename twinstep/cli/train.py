@@ -35,20 +35,21 @@ def add(p) -> None:
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="the run's folder (created)")
     options.replicas(p, default["replicas"],
                   f"replicas R (default {default['replicas']})", "R")
-    options.count(p, "--batch", None, "examples per replica (default: the recipe's N)", "N")
+    options.count(p, "--batch", None, "examples per replica (default: the recipe's N)", metavar="N")
     options.count(p, "--res", None, f"training resolution (default: {DIGITS_RES} on the "
                                     f"digits; the recipe's on an image folder)")
     options.count(p, "--eval-res", None, "evaluation resolution, a centre crop of 0.95 "
                                          "(default: the recipe's on an image folder at the "
                                          "recipe's --res, e.g. rsb-a3 trains at 160 and "
-                                         "evaluates at 224; else --res)", "RES")
+                                         "evaluates at 224; else --res)", metavar="RES")
     length = p.add_mutually_exclusive_group()
     options.count(length, "--steps", None,
                   f"optimizer steps (default: a preset's epochs on an image folder, else "
                   f"{SMOKE_STEPS}); the warmup takes the recipe's share (a tenth for a "
-                  f"grammar name), from timm's warmup lr", "S")
+                  f"grammar name), from timm's warmup lr", metavar="S")
     options.count(length, "--epochs", None, "passes over the training images instead of "
-                                            "--steps (steps = ceil(E x images / (R N k)))", "E")
+                                            "--steps (steps = ceil(E x images / (R N k)))",
+                  metavar="E")
     for flag, what in (("eval_every", "evaluate on the val split every K steps and at the end"),
                        ("ckpt_every", "checkpoint every K steps and at the end"),
                        ("keep", "keep the last K checkpoints"),
@@ -56,7 +57,7 @@ def add(p) -> None:
                                       "multiple of --ckpt-every"),
                        ("log_every", "a metrics line every K steps")):
         options.count(p, "--" + flag.replace("_", "-"), default[flag],
-                      f"{what} (default {default[flag] or 'none'})", "K")
+                      f"{what} (default {default[flag] or 'none'})", metavar="K")
     p.add_argument("--precision", choices=PRECISIONS, default=default["precision"],
                    help="default: bf16 with the recipe's bf16 token, else f32")
     options.seed(p)

@@ -42,7 +42,7 @@ class Batch(NamedTuple):
     skipped: int  # images that did not decode, replaced by the next of their split
 
 
-def train_batch(src: Source, augment: Augment, seed: int, step: int, micro: int, rows: int,
+def train_batch(src: Source, augment: Augment, *, seed: int, step: int, micro: int, rows: int,
                 part: slice | None = None) -> Batch:
     """Step ``step``'s k micro-batches of R N rows as the host delivers them (`Batch`), each
     micro-batch's mix drawn for all its R N rows (row i mixed with row R N - 1 - i, on the
@@ -102,14 +102,14 @@ def stream(make, start: int, stop: int, workers: int):
                                                          prefetch_buffer_size=PREFETCH))
 
 
-def train_stream(src, augment, seed, start, stop, micro, rows, workers, part=None):
+def train_stream(src, augment, *, seed, start, stop, micro, rows, workers, part=None):
     """train_batch for the steps [start, stop), in order."""
-    return stream(functools.partial(_train_item, src, augment, seed, micro, rows, part),
-                  start, stop, workers)
+    return stream(functools.partial(_train_item, src=src, augment=augment, seed=seed,
+                                    micro=micro, rows=rows, part=part), start, stop, workers)
 
 
-def _train_item(src, augment, seed, micro, rows, part, step):
-    return train_batch(src, augment, seed, step, micro, rows, part)
+def _train_item(step, *, src, augment, seed, micro, rows, part):
+    return train_batch(src, augment, seed=seed, step=step, micro=micro, rows=rows, part=part)
 
 
 def val_stream(src, rows: int, workers: int, part: slice | None = None):

@@ -76,11 +76,11 @@ def apply(x: np.ndarray, labels: np.ndarray, classes: int, lam: float,
     x[::-1] when `box` is given, else λ x + (1 - λ) x[::-1]. Returns (mixed x, same dtype,
     a new array; targets [B, classes] float32 = λ onehot(y) + (1 - λ) onehot(y[::-1]))."""
     labels = np.asarray(labels)
-    return apply_pairs(x, x[::-1], labels, labels[::-1], classes, lam, box)
+    return apply_pairs(x, x[::-1], labels, labels[::-1], classes=classes, lam=lam, box=box)
 
 
 def apply_pairs(x: np.ndarray, partner: np.ndarray, labels: np.ndarray,
-                partner_labels: np.ndarray, classes: int, lam: float,
+                partner_labels: np.ndarray, *, classes: int, lam: float,
                 box: Box | None) -> tuple[np.ndarray, np.ndarray]:
     """`apply` for some rows of a batch: row i of x mixed with row i of ``partner`` (its row
     B-1-i in the batch), element for element as `apply` mixes it — what a process that holds

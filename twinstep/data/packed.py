@@ -54,7 +54,7 @@ def encode(img: Image.Image, label: int, quality: int) -> bytes:
     return _LABEL.pack(label) + buf.getvalue()
 
 
-def pack(root: str, out: str, max_side: int = MAX_SIDE, quality: int = QUALITY,
+def pack(root: str, out: str, *, max_side: int = MAX_SIDE, quality: int = QUALITY,
          shard_records: int = SHARD_RECORDS, progress=None) -> dict:
     """Pack the image folder ``root`` into the new folder ``out``; returns the manifest.
     ``progress(split, done, total)`` is told of every image. The manifest is written last:

@@ -51,8 +51,9 @@ def stream(make, start: int, stop: int, workers: int, ahead: int):
     ctx = multiprocessing.get_context("spawn")  # no fork of a process running XLA's threads
     tasks, done, free = ctx.Queue(), ctx.Queue(), ctx.Queue()  # free: blocks to reuse
     prefix = f"{BLOCK_PREFIX}{os.getpid()}_{secrets.token_hex(3)}_"  # this stream's blocks
-    procs = [ctx.Process(target=_work, args=(make, tasks, done, free, os.getpid(), prefix),
-                         daemon=True) for _ in range(workers)]
+    procs = [ctx.Process(target=_work, args=(make, tasks, done, free),
+                         kwargs={"parent": os.getpid(), "prefix": prefix}, daemon=True)
+             for _ in range(workers)]
     returns = _Returns(free)
     for p in procs:
         p.start()
@@ -225,7 +226,7 @@ def _send(part, sent: set):
     return "shm", own[0], part.shape, part.dtype.str
 
 
-def _work(make, tasks, done, free, parent: int, prefix: str) -> None:
+def _work(make, tasks, done, free, *, parent: int, prefix: str) -> None:
     """A worker: build the items it is asked for until told to stop or orphaned."""
     import signal
 

@@ -47,8 +47,8 @@ class ConvBNTape(NamedTuple):
     relu: jax.Array | None
 
 
-def conv_bn_forward(params, buffers, names: ConvBN, x, stride: int, ctx: Ctx, relu: bool = True,
-                    depthwise: bool = False, stats: dict | None = None):
+def conv_bn_forward(params, buffers, names: ConvBN, x, *, stride: int, ctx: Ctx,
+                    relu: bool = True, depthwise: bool = False, stats: dict | None = None):
     """x [N, H, W, Ci] -> conv -> BN -> [ReLU] -> y [N, Ho, Wo, Co]; returns (y, tape).
 
     In train mode the BN's batch statistics are recorded in ``stats[names.bn]``."""

@@ -177,25 +177,26 @@ class Tape(NamedTuple):
     classifier: tuple
 
 
-def forward(params: dict, buffers: dict, x, ctx: Ctx, drop_path=None, dropout=None):
+def forward(params: dict, buffers: dict, x, ctx: Ctx, *, drop_path=None, dropout=None):
     """x [N, H, W, 3] -> (logits [N, K], tape, stats {bn: BNStats} — empty in eval mode).
 
     drop_path: None, or per-example masks [18, N] (already scaled by 1 / keep) for the residual
     branches of `DROP_PATH_SITES`; dropout: None, or a per-element mask [N, 1280] (scaled) on
     the classifier's input."""
     stats = {}
-    y, stem = _layer_forward(params, buffers, STEM, x.astype(ctx.precision.dtype), ctx, stats)
+    y, stem = _layer_forward(params, buffers, STEM, x.astype(ctx.precision.dtype), ctx=ctx,
+                             stats=stats)
     tapes, site = [], 0
     for b in blocks():
         mask = None
         if b.skip:
             mask = None if drop_path is None else drop_path[site]
             site += 1
-        y, t = _block_forward(params, buffers, b, y, ctx, stats, mask)
+        y, t = _block_forward(params, buffers, b, y, ctx=ctx, stats=stats, mask=mask)
         tapes.append(t)
     y, hw = pool.gap_forward(y)
     # conv_head acts on the pooled [N, 1, 1, 960]: its BN sees one row per example.
-    y, head = _layer_forward(params, buffers, HEAD, y[:, None, None, :], ctx, stats)
+    y, head = _layer_forward(params, buffers, HEAD, y[:, None, None, :], ctx=ctx, stats=stats)
     y, m = y[:, 0, 0, :], None
     if dropout is not None:
         y, m = elementwise.mask_forward(y, dropout)
@@ -218,15 +219,15 @@ def backward(tape: Tape, dlogits) -> dict:
     return {k: grads[k] for k in tape.names}
 
 
-def _layer_forward(params, buffers, la: Layer, x, ctx, stats):
-    return conv_bn_forward(params, buffers, ConvBN(la.conv, la.bn), x, la.stride, ctx,
+def _layer_forward(params, buffers, la: Layer, x, *, ctx, stats):
+    return conv_bn_forward(params, buffers, ConvBN(la.conv, la.bn), x, stride=la.stride, ctx=ctx,
                            relu=la.relu, depthwise=la.depthwise, stats=stats)
 
 
-def _block_forward(params, buffers, b: Block, x, ctx, stats, mask):
+def _block_forward(params, buffers, b: Block, x, *, ctx, stats, mask):
     y, tapes = x, []
     for la in b.layers:
-        y, t = _layer_forward(params, buffers, la, y, ctx, stats)
+        y, t = _layer_forward(params, buffers, la, y, ctx=ctx, stats=stats)
         tapes.append(t)
     m = None
     if b.skip:

@@ -110,19 +110,20 @@ class Tape(NamedTuple):
     fc: tuple
 
 
-def forward(params: dict, buffers: dict, x, ctx: Ctx, drop_path=None):
+def forward(params: dict, buffers: dict, x, ctx: Ctx, *, drop_path=None):
     """x [N, H, W, 3] -> (logits [N, K], tape, stats {bn: BNStats} — empty in eval mode).
 
     drop_path: None, or per-example masks [16, N] (already scaled by 1 / keep) for the
     residual branches of `DROP_PATH_SITES`."""
     stats = {}
     x = x.astype(ctx.precision.dtype)
-    y, stem = conv_bn_forward(params, buffers, ConvBN("conv1", "bn1"), x, 2, ctx, stats=stats)
+    y, stem = conv_bn_forward(params, buffers, ConvBN("conv1", "bn1"), x, stride=2, ctx=ctx,
+                              stats=stats)
     y, pool_res = pool.maxpool_forward(y)
     tapes = []
     for i, b in enumerate(blocks()):
         mask = None if drop_path is None else drop_path[i]
-        y, t = _bottleneck_forward(params, buffers, b, y, ctx, stats, mask)
+        y, t = _bottleneck_forward(params, buffers, b, y, ctx=ctx, stats=stats, mask=mask)
         tapes.append(t)
     y, hw = pool.gap_forward(y)
     logits, fc = dense.dense_forward(y, params["fc.weight"], params["fc.bias"])
@@ -141,14 +142,14 @@ def backward(tape: Tape, dlogits) -> dict:
     return {k: grads[k] for k in tape.names}
 
 
-def _bottleneck_forward(params, buffers, b: Block, x, ctx, stats, mask):
+def _bottleneck_forward(params, buffers, b: Block, x, *, ctx, stats, mask):
     p = b.prefix
-    y, t1 = conv_bn_forward(params, buffers, ConvBN(f"{p}.conv1", f"{p}.bn1"), x, 1, ctx,
-                            stats=stats)
-    y, t2 = conv_bn_forward(params, buffers, ConvBN(f"{p}.conv2", f"{p}.bn2"), y, b.stride, ctx,
-                            stats=stats)
-    y, t3 = conv_bn_forward(params, buffers, ConvBN(f"{p}.conv3", f"{p}.bn3"), y, 1, ctx,
-                            relu=False, stats=stats)
+    y, t1 = conv_bn_forward(params, buffers, ConvBN(f"{p}.conv1", f"{p}.bn1"), x, stride=1,
+                            ctx=ctx, stats=stats)
+    y, t2 = conv_bn_forward(params, buffers, ConvBN(f"{p}.conv2", f"{p}.bn2"), y,
+                            stride=b.stride, ctx=ctx, stats=stats)
+    y, t3 = conv_bn_forward(params, buffers, ConvBN(f"{p}.conv3", f"{p}.bn3"), y, stride=1,
+                            ctx=ctx, relu=False, stats=stats)
     m = None
     if mask is not None:
         y, m = elementwise.mask_forward(y, mask)
@@ -156,7 +157,7 @@ def _bottleneck_forward(params, buffers, b: Block, x, ctx, stats, mask):
     if b.projects:
         shortcut, td = conv_bn_forward(params, buffers,
                                        ConvBN(f"{p}.downsample.0", f"{p}.downsample.1"), x,
-                                       b.stride, ctx, relu=False, stats=stats)
+                                       stride=b.stride, ctx=ctx, relu=False, stats=stats)
     y, relu_mask = activation.relu_forward(elementwise.add_forward(y, shortcut))
     return y, (t1, t2, t3, m, td, relu_mask)
 

@@ -79,7 +79,7 @@ def _describe(status: int) -> str:
     return f"exited with status {status}"
 
 
-def run(processes: int, argv: list[str], port: int | None = None,
+def run(processes: int, argv: list[str], *, port: int | None = None,
         gpus_per_process: int | None = None, max_restarts: int = 0,
         restart_delay: float = 0.0) -> int:
     """Start the processes and wait: 0 when all end with 0, else the failure's status — after

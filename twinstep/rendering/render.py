@@ -171,8 +171,8 @@ def export_step(cfg: RenderConfig, single: bool = False) -> Export:
     mesh = dp.abstract_mesh(replicas) if replicas > 1 else None
     with settings.jax_settings(jax_enable_x64=prec.name == "f64",
                               jax_traceback_in_locations_limit=0):
-        made = program.train_program(net, recipe, cfg.classes, replicas, prec,
-                                     "none" if single else cfg.control,
+        made = program.train_program(net, recipe, classes=cfg.classes, replicas=replicas,
+                                     precision=prec, control="none" if single else cfg.control,
                                      mesh=mesh, flat=True, depthwise_path=depthwise,
                                      dense_path="conv")
         leaves = jax.tree.leaves(made.state)

@@ -54,8 +54,9 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
                   "train_images": len(src.train_labels), "val_images": len(src.val_labels),
                   "processes": cluster.count(), "resolved_recipe": dataclasses.asdict(recipe)}
         disk.publish({os.path.join(cfg.out, "config.json"): json.dumps(config, indent=1).encode()})
-    prog = program.train_program(net, recipe, src.classes, cfg.replicas, cfg.precision,
-                                 control=cfg.control, fast_compile=cfg.fast_compile)
+    prog = program.train_program(net, recipe, classes=src.classes, replicas=cfg.replicas,
+                                 precision=cfg.precision, control=cfg.control,
+                                 fast_compile=cfg.fast_compile)
     eval_fn = program.eval_program(net, cfg.precision, cfg.fast_compile)
     augment = _augment(src, recipe)
     prepare = program.prepare_program(src.classes, cfg.precision, cfg.replicas, cfg.fast_compile,
@@ -73,8 +74,9 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     # to them while a step runs, and the metrics are read back at the next boundary, which
     # stops at the first non-finite loss before anything of it is written.
     per_step = cfg.rows * recipe.accum  # images per optimizer step
-    stream = loader.train_stream(src, augment, cfg.seed, start, cfg.steps,
-                                 recipe.accum, cfg.rows, cfg.workers, cluster.local_rows(cfg.rows))
+    stream = loader.train_stream(src, augment, seed=cfg.seed, start=start, stop=cfg.steps,
+                                 micro=recipe.accum, rows=cfg.rows, workers=cfg.workers,
+                                 part=cluster.local_rows(cfg.rows))
     say = progress if progress and cluster.is_primary() else (lambda step, metrics: None)
     warn = warn or (lambda text: None)
     last_eval, skipped, pending, t0 = {}, 0, [], time.perf_counter()
@@ -212,8 +214,9 @@ def _compiled_step(cfg: TrainConfig, prog, classes: int):
     """``prog`` with its step compiled ahead of time (`program.compile_step`), then the freed
     compile memory handed back: the compile peaks on its own, not on top of a run under way
     (docs/speed.md#memory)."""
-    compiled = program.compile_step(prog, cfg.replicas, (cfg.parsed_recipe().accum, cfg.rows),
-                                    cfg.res, classes, cfg.precision)
+    compiled = program.compile_step(prog, replicas=cfg.replicas,
+                                    micro=(cfg.parsed_recipe().accum, cfg.rows), res=cfg.res,
+                                    classes=classes, precision=cfg.precision)
     settings.release_freed_memory()
     return prog._replace(step=compiled)
 
