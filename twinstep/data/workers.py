@@ -79,8 +79,7 @@ def stream(make, start: int, stop: int, workers: int, ahead: int):
         free.cancel_join_thread()  # names never read: no reason to wait at exit
         _drain(done)
         for path in glob.glob(os.path.join(SHM, f"{prefix}*")):  # arrays still over a block
-            os.unlink(path)  # keep its memory until they go
-            resource_tracker.unregister(f"/{os.path.basename(path)}", "shared_memory")
+            _remove(path)  # keep its memory until they go
 
 
 def abandon() -> None:
@@ -90,12 +89,19 @@ def abandon() -> None:
     run (its queues' semaphores: else its resource tracker warns of them as leaked)."""
     for p in multiprocessing.active_children():
         p.kill()
-    for path in glob.glob(f"/dev/shm/{BLOCK_PREFIX}{os.getpid()}_*"):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+    for path in glob.glob(os.path.join(SHM, f"{BLOCK_PREFIX}{os.getpid()}_*")):
+        _remove(path)
     from multiprocessing import util
 
     util._exit_function()  # what the interpreter's exit runs; os._exit would skip it
+
+
+def _remove(path: str) -> None:
+    """Remove a block's name, and with it the resource tracker's note of it (a block exists
+    only while noted: `_block_array` notes it first), else the tracker warns of it at exit."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+        resource_tracker.unregister(f"/{os.path.basename(path)}", "shared_memory")
 
 
 def _receive(done, procs) -> tuple[int, list]:
