@@ -54,15 +54,8 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
                   "train_images": len(src.train_labels), "val_images": len(src.val_labels),
                   "processes": cluster.count(), "resolved_recipe": dataclasses.asdict(recipe)}
         disk.publish({os.path.join(cfg.out, "config.json"): json.dumps(config, indent=1).encode()})
-    prog = program.train_program(net, recipe, classes=src.classes, replicas=cfg.replicas,
-                                 precision=cfg.precision, control=cfg.control,
-                                 fast_compile=cfg.fast_compile)
-    eval_fn = program.eval_program(net, cfg.precision, cfg.fast_compile)
     augment = _augment(src, recipe)
-    prepare = program.prepare_program(src.classes, cfg.precision, cfg.replicas, cfg.fast_compile,
-                                      src.layout(augment))
-    # the step: a render's, or compiled now, before the state and data exist (the run's peak)
-    prog = (_render_program if cfg.render else _compiled_step)(cfg, prog, src.classes)
+    prog, eval_fn, prepare = _programs(cfg, net, recipe, src, augment)
 
     # --- restore: the latest checkpoint, else step 0 (timm's initialisation or --init-from)
     checkpoints = Checkpoints(cfg.out, cfg.keep, cfg.keep_every)
@@ -208,6 +201,19 @@ def _batch_sharding(cfg: TrainConfig):
     mesh = dp.mesh(cfg.replicas)
     return (jax.sharding.NamedSharding(mesh, dp.MICRO_BATCH),
             jax.sharding.NamedSharding(mesh, dp.REPLICATED))
+
+
+def _programs(cfg: TrainConfig, net, recipe, src, augment) -> tuple:
+    """(the train program, the eval program, the prepare program); the train step a render's or
+    compiled now, last, before the state and data exist (the run's peak)."""
+    prog = program.train_program(net, recipe, classes=src.classes, replicas=cfg.replicas,
+                                 precision=cfg.precision, control=cfg.control,
+                                 fast_compile=cfg.fast_compile)
+    eval_fn = program.eval_program(net, cfg.precision, cfg.fast_compile)
+    prepare = program.prepare_program(src.classes, cfg.precision, cfg.replicas, cfg.fast_compile,
+                                      src.layout(augment))
+    prog = (_render_program if cfg.render else _compiled_step)(cfg, prog, src.classes)
+    return prog, eval_fn, prepare
 
 
 def _compiled_step(cfg: TrainConfig, prog, classes: int):
