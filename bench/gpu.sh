@@ -27,10 +27,13 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform \
 #     manylinux_2_28_x86_64 -d .wheels grain==0.2.18 array_record==0.8.6 portpicker \
 #     tensorboardX==2.6.5 optax==0.2.8 orbax-checkpoint==0.12.8
-# nvImageCodec (feed): the machine's, else a wheel in ./.wheels (25 MB; its CPU decoder needs
-# no CUDA library; the GPU decoder needs nvJPEG):
+# nvImageCodec (feed): the machine's, else its wheel and nvJPEG's in ./.wheels (25 + 4 MB,
+# unpacked side by side so nvImageCodec finds libnvjpeg.so.13 by its RPATH, ../../cu13/lib):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform \
-#     manylinux_2_28_x86_64 -d .wheels 'nvidia-nvimgcodec-cu13>=0.9,<0.10'
+#     manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .wheels \
+#     'nvidia-nvimgcodec-cu13>=0.9,<0.10' 'nvidia-nvjpeg>=13,<14'
+# The loader processes decode on the GPU, each with a CUDA context of its own: the feed part
+# leaves them 40 % of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 for JAX).
 # Its CPU twin: `python bench/gpu_feed.py --res 64 --batch 32 --images 64 --workers 2` here.
 # Results: bench/gpu_step.json, bench/gpu_train.json (and the optimized HLO in bench/hlo/), or
 # under $OUT/ when $OUT
@@ -100,9 +103,11 @@ if [[ $parts == *" feed "* ]]; then
         site=${site:-$(mktemp -d)}
         # shellcheck disable=SC2046 # the wheels are words
         "$PY" -m pip install -q --no-index --no-deps --target "$site" \
-            $(find .wheels -name 'nvidia_nvimgcodec*.whl') && export PYTHONPATH=$PYTHONPATH:$site
+            $(find .wheels -name 'nvidia_nvimgcodec*.whl' -o -name 'nvidia_nvjpeg-*.whl') &&
+            export PYTHONPATH=$PYTHONPATH:$site
     fi
     if "$PY" -c 'import nvidia.nvimgcodec' 2>/dev/null; then
+        export XLA_PYTHON_CLIENT_MEM_FRACTION=0.6
         timeout 200 "$PY" bench/gpu_feed.py --json "$out/gpu_feed.json"
         feed=$?
         timeout 300 "$PY" bench/gpu_train.py --nets resnet50 --paths device pillow \

@@ -4,8 +4,10 @@ of the host's share and of the devices' share, each alone, beside the Pillow pat
 A folder of generated 500 x 375 JPEGs (bench/loader.py's) and its packed copy, at --res with
 RandAugment m9 and mixup / CutMix:
 
-  decode        nvImageCodec alone, whole images: on one CPU core (libjpeg-turbo); on the GPU
-                in batches (nvJPEG) when JAX has one
+  decode        nvImageCodec alone, whole images: one at a time on one CPU core
+                (libjpeg-turbo); in one batch by the device loader's decoder (nvJPEG on the
+                GPU when JAX has one, else that CPU decoder), and the batch's |Δ| from the
+                first in levels (on the GPU: nvJPEG's difference from libjpeg-turbo)
   host          the device loader's host share (`twinstep.data.loader.train_stream`: header,
                 draws, region decode, plans) on --workers processes; "host packed" from the
                 copy; "pillow" the Pillow path's whole transform, for scale
@@ -40,30 +42,35 @@ RANDAUGMENT, MIXUP, CUTMIX = 9, 0.2, 1.0
 
 
 def decode_rates(folder: str, gpu: bool) -> dict:
-    """img/s of nvImageCodec decoding whole JPEGs: one CPU core; batched on the GPU."""
+    """img/s of nvImageCodec decoding whole JPEGs: one at a time on one CPU core
+    (libjpeg-turbo); in one batch by the device loader's decoder (`twinstep.data.device
+    .Device._batch_decode`: nvJPEG on the GPU, else the same CPU decoder). And how far the
+    batch's pixels are from the CPU's one at a time (max and mean |Δ| levels): on a GPU, nvJPEG
+    against libjpeg-turbo; on the CPU twin 0, or the batch is wrong."""
+    import numpy as np
     from nvidia import nvimgcodec
 
+    from twinstep.data import device
     from twinstep.data import folder as folders
 
     split = folders.scan(folder, "train")
     data = [split.encoded(i) for i in range(len(split))]
     cpu = nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
+                             max_num_cpu_threads=1,
                              backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)])
-    out = {}
     t0 = time.perf_counter()
-    for d in data:
-        cpu.decode(d).cpu()
-    out["decode_cpu_core"] = len(data) / (time.perf_counter() - t0)
-    if gpu:
-        import jax
-
-        decoder = nvimgcodec.Decoder(device_id=0)
-        streams = [nvimgcodec.CodeStream(d) for d in data]
-        jax.dlpack.from_dlpack(decoder.decode(streams[:8])[0]).block_until_ready()  # warm
-        t0 = time.perf_counter()
-        images = decoder.decode(streams)
-        jax.dlpack.from_dlpack(images[-1]).block_until_ready()
-        out["decode_gpu"] = len(data) / (time.perf_counter() - t0)
+    single = [np.asarray(cpu.decode(d).cpu()) for d in data]
+    out = {"decode_cpu_core": len(data) / (time.perf_counter() - t0)}
+    src = device.Device(folders.scan_both(folder), 224, gpu_decode=gpu)
+    src._batch_decode([nvimgcodec.CodeStream(d) for d in data[:8]], [None] * 8)  # warm
+    streams = [nvimgcodec.CodeStream(d) for d in data]
+    t0 = time.perf_counter()
+    batch = src._batch_decode(streams, [None] * len(streams))
+    out["decode_gpu" if gpu else "decode_batch_cpu_core"] = len(data) / (time.perf_counter()
+                                                                           - t0)
+    diff = [np.abs(a.astype(np.int16) - b) for a, b in zip(single, batch, strict=True)]
+    out["batch_vs_libjpeg"] = {"max": int(max(d.max() for d in diff)),
+                               "mean": float(np.mean([d.mean() for d in diff]))}
     return out
 
 
@@ -140,6 +147,8 @@ def main() -> int:
     for key, value in results.items():
         if isinstance(value, float):
             print(f"gpu_feed: {key:22s} {value:8.0f} img/s", flush=True)
+    print(f"gpu_feed: batch decode vs libjpeg-turbo: {results['batch_vs_libjpeg']} |Δ| levels",
+          flush=True)
     Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 

@@ -246,6 +246,20 @@ def test_a_loader_is_refused_where_it_cannot_read_and_is_part_of_a_run(tmp_path)
         check_run_dir(other)
 
 
+def test_the_gpu_decoder_is_asked_for_where_jax_has_a_gpu(tmp_path):
+    """The decoder follows JAX's backend: the CPU one here, a GPU one (nvJPEG) when asked,
+    which this CPU machine refuses in one line — so the GPU branch is the one that ran."""
+    from twinstep.errors import BackendError
+
+    root = write_folder(str(tmp_path / "data"))
+    ours = sources.get_source(root, S, "device")
+    assert ours.gpu_decode is False  # JAX runs on the CPU here
+    gpu = device.Device((ours.train, ours.val), S, gpu_decode=True)
+    aug = sources.Augment(None, None)
+    with pytest.raises(BackendError, match="opened no GPU decoder"):
+        gpu.train_rows(np.arange(2), 0, 0, np.arange(2), aug)
+
+
 def test_the_blend_is_pillows_for_every_pair_of_levels():
     """Image.blend, which Color, Contrast, Brightness and Sharpness end in, for all 65,536
     (pixel, degenerate) pairs at 21 factors: bit for bit. Control: the same arithmetic with the

@@ -102,7 +102,8 @@ def _loader_options(p, default: dict) -> None:
     p.add_argument("--loader", choices=LOADERS, default=default["loader"],
                    help="who decodes and augments an image folder: 'pillow' (timm's transforms, "
                         "pixel for pixel, on the host) or 'device' (nvImageCodec decodes the "
-                        "crop on the host; the resize and RandAugment run on the devices, in "
+                        "crops, on the GPU when JAX has one, else on the host; the resize and "
+                        "RandAugment run on the devices, in "
                         "the step's prepare program; the [nvimgcodec] extra; "
                         "docs/training.md#device-loader). Default "
                         f"{default['loader']}")

@@ -4,12 +4,13 @@ on the devices (docs/training.md#device-loader).
 The host reads a JPEG's bytes and its header, draws every random choice as the Pillow path
 does, from the row's own generator (the crop box, the filter, the flip, RandAugment's ops,
 signs, magnitudes and filters: `twinstep.data.transforms.train_transform`'s order), and
-decodes only the crop box (nvImageCodec's region decode, on the CPU through libjpeg-turbo:
-bit for bit Pillow's decode, cropped). It hands the devices the crop on a fixed canvas and a
-plan (`Layout`): Pillow's resize coefficients for that crop, and each RandAugment layer's op
-as numbers. The devices resize and augment (`twinstep.data.device_ops`, in the step's prepare
-program) before normalising and mixing, so the host spends per image a region decode and a
-few tables. A crop larger than the canvas is resized on the host by Pillow (the same pixels).
+decodes only the crop boxes, a batch's in one call: nvImageCodec's region decode, on the CPU
+through libjpeg-turbo (bit for bit Pillow's decode, cropped), or through nvJPEG on the GPU
+when the trainer's JAX has one (the crops copied back to the host). It hands the devices the
+crop on a fixed canvas and a plan (`Layout`): Pillow's resize coefficients for that crop, and
+each RandAugment layer's op as numbers. The devices resize and augment
+(`twinstep.data.device_ops`, in the step's prepare program) before normalising and mixing.
+A crop larger than the canvas is resized on the host by Pillow (the same pixels).
 
 The val split is decoded by nvImageCodec and resized and cropped by Pillow on the host, as
 the Pillow path's (`twinstep.data.transforms.eval_transform`).
@@ -21,13 +22,14 @@ import dataclasses
 import functools
 import io
 import math
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image
 
 from twinstep.data import augment as ra_ops
 from twinstep.data import device_ops, folder, transforms, workers
-from twinstep.errors import UsageError
+from twinstep.errors import BackendError, UsageError
 
 LAYER_WORDS = 787  # kind, lut (3 x 256), coeffs (6 float64), bicubic, fill (3), degenerate,
 # factor
@@ -186,6 +188,16 @@ def _skipped(size: int) -> np.ndarray:
 EOI = b"\xff\xd9"  # a JPEG's end-of-image marker
 
 
+class Drawn(NamedTuple):
+    """A train row's random choices: crop box (top, left, h, w), filter, flip, RandAugment's
+    layers."""
+
+    box: tuple[int, int, int, int]
+    bicubic: bool
+    flip: bool
+    ops: list
+
+
 class Undecodable(Exception):
     """An image neither nvImageCodec nor Pillow decodes: replaced by the next of its split."""
 
@@ -198,6 +210,12 @@ def unavailable() -> str | None:
         return (f"--loader device needs nvImageCodec: pip install -e '.[nvimgcodec]' in "
                 f"twinstep's clone ({e})")
     return None
+
+
+def _jax_has_gpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "gpu"
 
 
 def default_canvas(res: int) -> int:
@@ -213,8 +231,10 @@ class Device:
     augments = True
 
     def __init__(self, splits, res: int, eval_res: int | None = None,
-                 canvas: int | None = None):
+                 canvas: int | None = None, gpu_decode: bool | None = None):
         self.train, self.val = splits
+        # decode where the trainer computes: nvJPEG when its JAX has a GPU (None: ask JAX)
+        self.gpu_decode = _jax_has_gpu() if gpu_decode is None else gpu_decode
         self.res, self.eval_res = res, eval_res or res
         self.canvas = canvas or default_canvas(res)
         self.classes = len(self.train.classes)
@@ -249,20 +269,36 @@ class Device:
         return rgb[top:top + h, left:left + w]
 
     def _nvimgcodec(self, stream, box) -> np.ndarray | None:
+        return self._batch_decode([stream], [box])[0]
+
+    def _batch_decode(self, streams: list, boxes: list) -> list[np.ndarray | None]:
+        """uint8 [h, w, 3] of each code stream (only its ``box`` (top, left, h, w) when one is
+        given), None where nvImageCodec does not decode it: in one batch, on the GPU (nvJPEG)
+        when ``gpu_decode``, else by libjpeg-turbo on one core of this process."""
         from nvidia import nvimgcodec
 
         if self._decoder is None:
-            self._decoder = nvimgcodec.Decoder(
-                device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
-                backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)])
+            where = {"device_id": 0} if self.gpu_decode else {
+                "device_id": nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
+                "backends": [nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)]}
+            try:  # nvJPEG upsamples chroma as libjpeg-turbo (and so Pillow) does
+                self._decoder = nvimgcodec.Decoder(max_num_cpu_threads=1,
+                                                   options=":fancy_upsampling=1", **where)
+            except RuntimeError as e:
+                raise BackendError(f"nvImageCodec opened no {'GPU' if self.gpu_decode else 'CPU'}"
+                                   f" decoder ({e}); on a GPU it needs nvJPEG: pip install "
+                                   f"'nvidia-nvjpeg>=13'") from None
             # the pixels as stored, as Pillow and timm read them: no EXIF rotation
             self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False)
-        if box is not None:
-            top, left, h, w = box
-            stream = stream.get_sub_code_stream(
-                region=nvimgcodec.Region(start=(top, left), end=(top + h, left + w)))
-        image = self._decoder.decode(stream, params=self._params)
-        return None if image is None else np.asarray(image.cpu())
+        regions = []
+        for stream, box in zip(streams, boxes, strict=True):
+            if box is not None:
+                top, left, h, w = box
+                stream = stream.get_sub_code_stream(
+                    region=nvimgcodec.Region(start=(top, left), end=(top + h, left + w)))
+            regions.append(stream)
+        images = self._decoder.decode(regions, params=self._params) if regions else []
+        return [None if image is None else np.asarray(image.cpu()) for image in images]
 
     @staticmethod
     def _header(data: bytes):
@@ -300,47 +336,90 @@ class Device:
                 continue
         raise UsageError(f"no image of {len(split)} in this split decodes")
 
-    def train_row(self, data: bytes, size: tuple[int, int], stream, *,
-                  rng: np.random.Generator, randaugment: int | None, layout: Layout,
-                  canvas: np.ndarray) -> np.ndarray:
-        """One row, drawn as `twinstep.data.transforms.train_transform` draws: its crop
-        written into ``canvas`` [C, C, 3] uint8 (zeros), its plan [P] int32 returned."""
-        s, c = self.res, self.canvas
+    def _with_header(self, split, i: int):
+        """(index used, skipped, bytes, size, code stream or None): the first image from i on
+        whose header reads."""
+        for tried in range(len(split)):
+            j = (i + tried) % len(split)
+            data = split.encoded(j)
+            if (header := self._header(data)) is not None:
+                return j, tried, data, *header
+        raise UsageError(f"no image of {len(split)} in this split decodes")
+
+    def _draw(self, rng: np.random.Generator, size: tuple[int, int],
+              randaugment: int | None) -> Drawn:
+        """A row's random choices, drawn as `twinstep.data.transforms.train_transform` draws."""
         box = transforms.rrc_box(rng, *size)
         bicubic = transforms.TRAIN_INTERPOLATIONS[int(rng.integers(2))] == \
             Image.Resampling.BICUBIC
         flip = rng.random() < transforms.HFLIP
         ops = ra_ops.draw(rng, randaugment) if randaugment is not None else []
-        crop = self._decode(data, stream, box)
+        return Drawn(box, bicubic, flip, ops)
+
+    def _place(self, crop: np.ndarray, drawn: Drawn, *, layout: Layout,
+               canvas: np.ndarray) -> np.ndarray:
+        """Writes ``crop`` [h, w, 3] uint8 into ``canvas`` [C, C, 3] (zeros) at its top left;
+        returns the row's plan [P] int32."""
+        s, c = self.res, self.canvas
         h, w = crop.shape[:2]
         if h > c or w > c:  # past the canvas: Pillow resizes it here, the devices copy it
-            filt = Image.Resampling.BICUBIC if bicubic else Image.Resampling.BILINEAR
+            filt = Image.Resampling.BICUBIC if drawn.bicubic else Image.Resampling.BILINEAR
             crop = np.asarray(Image.fromarray(crop).resize((s, s), filt))
             h = w = s
         canvas[:h, :w] = crop
-        xstart, xcoef = resize_table(w, s, bicubic, layout.taps)
-        ystart, ycoef = resize_table(h, s, bicubic, layout.taps)
-        if flip:
+        xstart, xcoef = resize_table(w, s, drawn.bicubic, layout.taps)
+        ystart, ycoef = resize_table(h, s, drawn.bicubic, layout.taps)
+        if drawn.flip:
             xstart, xcoef = xstart[::-1], xcoef[::-1]
+        ops = drawn.ops
         layers = [layer_plan(ops[k] if k < len(ops) else None, s) for k in range(layout.layers)]
         return np.concatenate([xstart, xcoef.ravel(), ystart, ycoef.ravel(), *layers])
 
+    def train_row(self, data: bytes, size: tuple[int, int], stream, *,
+                  rng: np.random.Generator, randaugment: int | None, layout: Layout,
+                  canvas: np.ndarray) -> np.ndarray:
+        """One row alone: its crop written into ``canvas`` [C, C, 3] uint8 (zeros), its plan
+        [P] int32 returned."""
+        drawn = self._draw(rng, size, randaugment)
+        return self._place(self._decode(data, stream, drawn.box), drawn, layout=layout,
+                           canvas=canvas)
+
     def train_rows(self, idx, seed, step, row_ids, augment):
-        """(canvases [n, C, C, 3] uint8, labels, images skipped per row, plans [n, P])."""
+        """(canvases [n, C, C, 3] uint8, labels, images skipped per row, plans [n, P]): every
+        row drawn, then their crop boxes decoded in one batch (`_batch_decode`), then placed.
+        A row whose image does not decode is drawn again from the next image, as one alone."""
         layout = self.layout(augment)
         # in a loader process, in shared memory: 786 KB a row at 224² reach the trainer uncopied
         canvases = workers.shared_zeros((len(idx), self.canvas, self.canvas, 3), np.uint8)
         plans = np.empty((len(idx), layout.words), np.int32)
-        labels, skipped = [], []
-        for r, (i, row) in enumerate(zip(idx, row_ids, strict=True)):
-            def make(data, size, stream, row=row, canvas=canvases[r]):
-                rng = np.random.default_rng([seed, step, 0, int(row)])
-                return self.train_row(data, size, stream, rng=rng,
-                                      randaugment=augment.randaugment, layout=layout,
-                                      canvas=canvas)
 
-            plans[r], used, tried = self._decoded(self.train, int(i), make)
-            labels.append(self.train.labels[used])
+        def rng(row):
+            return np.random.default_rng([seed, step, 0, int(row)])
+
+        rows = []  # (index used, skipped, bytes, code stream or None, Drawn)
+        for i, row in zip(idx, row_ids, strict=True):
+            j, tried, data, size, stream = self._with_header(self.train, int(i))
+            rows.append((j, tried, data, stream, self._draw(rng(row), size,
+                                                            augment.randaugment)))
+        queued = [r for r, row in enumerate(rows) if row[3] is not None]
+        crops = dict(zip(queued, self._batch_decode([rows[r][3] for r in queued],
+                                                    [rows[r][4].box for r in queued]),
+                         strict=True))
+        labels, skipped = [], []
+        for r, (j, tried, data, _, drawn) in enumerate(rows):
+            try:
+                crop = crops.get(r)
+                crop = self._decode(data, None, drawn.box) if crop is None else crop
+                plans[r] = self._place(crop, drawn, layout=layout, canvas=canvases[r])
+            except Undecodable:
+                def make(data, size, stream, row=row_ids[r], canvas=canvases[r]):
+                    return self.train_row(data, size, stream, rng=rng(row),
+                                          randaugment=augment.randaugment, layout=layout,
+                                          canvas=canvas)
+
+                plans[r], j, more = self._decoded(self.train, j + 1, make)
+                tried += 1 + more
+            labels.append(self.train.labels[j])
             skipped.append(tried)
         return canvases, np.asarray(labels, np.int32), np.asarray(skipped, np.int64), plans
 
