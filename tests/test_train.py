@@ -55,6 +55,34 @@ def test_epochs_count_passes_over_the_training_images():
         TrainConfig(RECIPE, "/tmp/unused", epochs=0)
 
 
+def test_a_run_parses_its_recipe_once_and_scans_its_folder_once(tmp_path, monkeypatch):
+    """A preset on an image folder, its epochs counted from the folder: the configuration
+    parses the recipe once and scans each split once, and the source reuses those splits.
+    Control: a source opened from the path alone scans both splits again."""
+    from test_data import write_folder
+
+    from twinstep import recipes
+    from twinstep.data import folder, sources
+
+    root = write_folder(str(tmp_path / "data"))
+    calls = {"parse": 0, "scan": 0}
+
+    def counted(name, f):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return f(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(recipes, "parse", counted("parse", recipes.parse))
+    monkeypatch.setattr(folder, "scan", counted("scan", folder.scan))
+    cfg = TrainConfig("mnv4-conv-m", str(tmp_path / "run"), data=root, epochs=1, res=32,
+                      eval_res=32, batch=4)
+    cfg.parsed_recipe(), sources.get_source(cfg.data, cfg.res, splits=cfg.splits)
+    assert calls == {"parse": 1, "scan": 2} and cfg.steps == -(-cfg.train_images // 4)
+    sources.get_source(cfg.data, cfg.res)
+    assert calls["scan"] == 4  # control: the path alone is scanned again
+
+
 def test_the_sampler_sees_every_example_once_an_epoch_and_is_a_function_of_the_step():
     size, rows = 50, 8
     seen = np.concatenate([batches.indices(3, s, rows, size) for s in range(25)])  # 4 epochs

@@ -14,7 +14,7 @@ from twinstep.errors import UsageError
 __version__ = "0.1.0"
 API = ("tie", "tie_steps", "tie_render", "render", "load_render", "parse_recipe", "get_net",
        "devices", "train", "pack", "join")
-__all__ = ["UsageError", "__version__", *API]
+__all__ = ["UsageError", "TrainConfig", "__version__", *API]
 
 
 def __getattr__(name: str):
@@ -22,4 +22,8 @@ def __getattr__(name: str):
         from twinstep import api
 
         return getattr(api, name)
+    if name == "TrainConfig":  # train's configuration, made and checked before training
+        from twinstep.training.config import TrainConfig
+
+        return TrainConfig
     raise AttributeError(f"module 'twinstep' has no attribute {name!r}")

@@ -167,19 +167,24 @@ def tie_render(path: str, steps: int | None = None, *, seed: int = 0, shift: boo
     return report
 
 
-def train(recipe: str, out: str, progress=None, warn=None, **config) -> dict:
-    """Train recipe ``recipe`` (a name or preset) into RUN_DIR ``out`` with its tied step,
-    continuing the run already there; returns the last evaluation ({"raw": {loss, top1, top5},
-    "ema": ...}). ``config``: any field of `twinstep.training.config.TrainConfig`, by keyword
-    (each is a `twinstep train` flag: docs/training.md); ``progress(step, metrics)`` is told
-    of every step and of each evaluation as it starts (metrics["phase"]), ``warn(text)`` once
-    of images that do not decode."""
+def train(recipe, out: str | None = None, progress=None, warn=None, **config) -> dict:
+    """Train ``recipe`` (a name or preset) into RUN_DIR ``out`` with its tied step, continuing
+    the run already there; returns the last evaluation ({"raw": {loss, top1, top5}, "ema":
+    ...}). ``config``: the other fields of `twinstep.training.config.TrainConfig`, by keyword
+    — or ``recipe`` a TrainConfig already made, alone. ``progress(step, metrics)`` is told of
+    every step and of each evaluation as it starts (metrics["phase"]); ``warn(text)`` once of
+    images that do not decode."""
     from twinstep.processes import disk
     from twinstep.training import loop
     from twinstep.training.config import TrainConfig
 
-    cfg = TrainConfig(recipe, out, **config)
-    disk.check_writable_folder(out, "--out")
+    if isinstance(recipe, TrainConfig):
+        if out is not None or config:
+            raise UsageError("train(TrainConfig) takes no other configuration")
+        cfg = recipe
+    else:
+        cfg = TrainConfig(recipe, out, **config)
+    disk.check_writable_folder(cfg.out, "--out")
     devices(cfg.replicas)
     with _x64(cfg.precision):
         return loop.run(cfg, progress, warn)

@@ -131,9 +131,8 @@ def run(args, parser) -> int:
         print(cfg.summary(), flush=True)
     with progress(cfg.steps, quiet=not primary) as update:
         try:
-            result = api.train(args.recipe, args.out, progress=update,
-                               warn=lambda text: print(f"warning: {text}", file=sys.stderr),
-                               **config)
+            result = api.train(cfg, progress=update,
+                               warn=lambda text: print(f"warning: {text}", file=sys.stderr))
         except NonFinite as e:
             print(f"twinstep train: {e}", file=sys.stderr)
             return 3

@@ -145,18 +145,24 @@ def _format(data: str) -> Format:
     return found
 
 
-def train_size(data: str) -> int:
-    """How many training images ``data`` holds (a folder is scanned)."""
+def open_splits(data: str) -> tuple | None:
+    """``data``'s (train, val) splits (a folder is scanned), None for the digits."""
+    return None if data == DIGITS else _format(data).splits(data)
+
+
+def train_size(data: str, splits: tuple | None = None) -> int:
+    """How many training images ``data`` holds (its ``splits`` when opened already)."""
     if data == DIGITS:
         return len(digits.labels("train"))
-    return len(_format(data).splits(data)[0])
+    return len((splits or open_splits(data))[0])
 
 
 def get_source(data: str, res: int, loader: str = DEFAULT_LOADER,
-               eval_res: int | None = None) -> Source:
+               eval_res: int | None = None, splits: tuple | None = None) -> Source:
     """``data`` — "digits", or a path in one of `FORMATS` — read by ``loader`` (`LOADERS`):
-    train crops at ``res``, val crops at ``eval_res`` (default ``res``)."""
+    train crops at ``res``, val crops at ``eval_res`` (default ``res``); ``splits``: its
+    splits when opened already (`open_splits`)."""
     check(data, loader)
     if data == DIGITS:
         return Digits(res, eval_res)
-    return _loader(loader).make(_format(data).splits(data), res, eval_res=eval_res)
+    return _loader(loader).make(splits or open_splits(data), res, eval_res=eval_res)

@@ -33,8 +33,10 @@ INIT_FORMATS = (".safetensors", ".pth", ".pt")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """What `twinstep.training.loop.run` trains; checks itself on construction (UsageError, one
-    line)."""
+    """What `twinstep.training.loop.run` trains; checks and resolves itself on construction
+    (UsageError, one line): the recipe parsed once, with this run's overrides
+    (`parsed_recipe`), the data's splits opened once (``splits``, None for the digits), and
+    where each default came from (``chosen``)."""
 
     recipe: str
     out: str
@@ -66,6 +68,7 @@ class TrainConfig:
 
     def __post_init__(self):
         sources.check(self.data, self.loader)
+        base = recipes.parse(self.recipe)
         if not 0 <= self.workers <= MAX_WORKERS:
             raise UsageError(f"--workers must be in [0, {MAX_WORKERS}], got {self.workers}")
         if self.stall_timeout is not None and not 1 <= self.stall_timeout <= 86400:
@@ -91,7 +94,9 @@ class TrainConfig:
         if not 0 <= self.seed < 2**31:
             raise UsageError(f"--seed must be >= 0 and < 2^31, got {self.seed}")
         self._check_control()
-        self._choose_defaults()
+        object.__setattr__(self, "splits", sources.open_splits(self.data))
+        self._choose_defaults(base)
+        object.__setattr__(self, "_recipe", self._resolve(base))
         recipe = self.parsed_recipe()
         multiple = get_net(recipe.net).INPUT_MULTIPLE
         for field in ("res", "eval_res"):
@@ -122,13 +127,12 @@ class TrainConfig:
             raise UsageError("--control breaks the Python step; a render carries its own "
                              "('twinstep render --control')")
 
-    def _choose_defaults(self) -> None:
+    def _choose_defaults(self, r: recipes.Recipe) -> None:
         """Fill in what was not given (docs/training.md#defaults): on the digits their small
         defaults; on an image folder the recipe's train and eval resolutions — its eval
         resolution only at its own train resolution — and a preset's epochs, else SMOKE_STEPS
         steps; N the recipe's; bf16 with its bf16 token, else f32. ``chosen``: {field: where
         its value came from}."""
-        r = recipes.parse(self.recipe)
         recipe_s, train_s = "the recipe's", "the train res"
         if self.data == "digits":
             picks = {"res": (DIGITS_RES, "the digits' default"),
@@ -148,8 +152,7 @@ class TrainConfig:
                 chosen[field] = why
         if self.epochs is not None:
             per_step = self.rows * r.accum
-            object.__setattr__(self, "steps", -(-self.epochs * sources.train_size(self.data)
-                                                // per_step))
+            object.__setattr__(self, "steps", -(-self.epochs * self.train_images // per_step))
         elif self.steps is None:
             object.__setattr__(self, "steps", SMOKE_STEPS)
             chosen["steps"] = "the default"
@@ -190,12 +193,20 @@ class TrainConfig:
                              "augmentation: drop --epochs, --randaugment, --mixup, --cutmix")
 
     def parsed_recipe(self) -> recipes.Recipe:
-        """The recipe with this run's overrides: its N, its length, a warmup of a tenth from
-        timm's warmup lr. With --render, the rendered recipe as it is: the render holds its
+        """The recipe with this run's overrides, resolved on construction."""
+        return self._recipe
+
+    @property
+    def train_images(self) -> int:
+        """How many training images the data holds."""
+        return sources.train_size(self.data, self.splits)
+
+    def _resolve(self, r: recipes.Recipe) -> recipes.Recipe:
+        """``r`` with this run's overrides: its N, its length, a warmup of a tenth from timm's
+        warmup lr. With --render, the rendered recipe as it is: the render holds its
         schedule."""
         if self.render is not None:
-            return recipes.parse(self.recipe)
-        r = recipes.parse(self.recipe)
+            return r
         given = {f: getattr(self, f) for f in AUGMENT_FIELDS if getattr(self, f) is not None}
         # the recipe's warmup share (a preset's 5 epochs of its length, a name's tenth)
         return dataclasses.replace(r, batch=self.batch or r.batch, total_steps=self.steps,

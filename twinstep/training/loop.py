@@ -45,7 +45,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     # RUN_DIR (read by every process before process 0 writes it), the programs
     recipe = cfg.parsed_recipe()
     net = get_net(recipe.net)
-    src = sources.get_source(cfg.data, cfg.res, cfg.loader, cfg.eval_res)
+    src = sources.get_source(cfg.data, cfg.res, cfg.loader, cfg.eval_res, splits=cfg.splits)
     resuming = check_run_dir(cfg)
     cluster.barrier("run-dir-read")
     if cluster.is_primary():
