@@ -421,7 +421,7 @@ def _twinstep_case(net_name: str, classes: int, rows: int, res: int):
     kx, ky = jax.random.split(jax.random.key(2))
     x = jax.random.normal(kx, (rows, res, res, 3), jnp.float64)
     t = jax.nn.one_hot(jax.random.randint(ky, (rows,), 0, classes), classes, dtype=jnp.float64)
-    grad = program.grad_program(net, replicas=1, loss="ce", precision="f64")
+    grad = program.grad_program(net, program.Setup(precision="f64"), loss="ce")
     out = grad(params, buffers, x, t)
     return params, buffers, x, t, out.grads
 

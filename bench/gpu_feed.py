@@ -101,7 +101,8 @@ def device_rates(data: str, res: int, batch: int, repeats: int) -> dict:
     for name, kind in (("devices", "device"), ("devices, crops given", "pillow")):
         src = sources.get_source(data, res, kind)
         b = loader.train_batch(src, augment, seed=0, step=0, micro=1, rows=batch)
-        prepare = program.prepare_program(src.classes, "bf16", 1, layout=src.layout(augment))
+        prepare = program.prepare_program(src.classes, program.Setup(precision="bf16"),
+                                          layout=src.layout(augment))
         args = jax.device_put((b.xs, b.labels, b.mix, b.box, b.plan))
         jax.block_until_ready(prepare(*args))  # compiles
         runs[name] = (prepare, args)

@@ -48,7 +48,7 @@ def build(net_name: str, batch: int, res: int, classes: int, options: dict | Non
     ``options``: XLA compiler options for this compile only."""
     recipe = dataclasses.replace(recipes.parse(f"{net_name}in_adamdpbf16"), batch=batch)
     net = get_net(net_name)
-    made = program.train_program(net, recipe, classes=classes, replicas=1, precision="bf16",
+    made = program.train_program(net, recipe, program.Setup(precision="bf16"), classes=classes,
                                  donate=True)
     shapes = net.param_shapes(classes)
     params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),

@@ -70,8 +70,8 @@ def variants(name: str, res: int, replicas: int, global_batch: int, classes: int
     fns = {}
     for label, (options, donate, dense_path, shard_optimizer) in (
             {} if sync_bn_only else VARIANTS).items():
-        made = program.train_program(net, recipe, classes=classes, replicas=replicas,
-                                     precision="f32", donate=donate, dense_path=dense_path,
+        setup = program.Setup(replicas, "f32", dense_path=dense_path)
+        made = program.train_program(net, recipe, setup, classes=classes, donate=donate,
                                      shard_optimizer=shard_optimizer)
         # a copy for each variant: a donated state frees its arrays, the originals included
         state = made.place(made.init(*jax.tree.map(jnp.copy, (
@@ -91,8 +91,8 @@ def variants(name: str, res: int, replicas: int, global_batch: int, classes: int
     # sync-BN's cost: the gradient step with BN synchronised vs per-replica (`unsynced`)
     p, b = dp.replicate((params, layers.init_buffers(shapes)), replicas)
     for control in ("none", "unsynced"):
-        grad = program.grad_program(net, replicas=replicas, loss="ce", precision="f32",
-                                    control=control, per_replica=True)
+        grad = program.grad_program(net, program.Setup(replicas, "f32", control), loss="ce",
+                                    per_replica=True)
         for suffix, options in GRAD_STEP_OPTIONS.items():
             compiled = grad.lower(p, b, xs[0], ts[0]).compile(compiler_options=options)
             fns[grad_label(control == "none", suffix)] = (

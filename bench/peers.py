@@ -147,8 +147,8 @@ def peers(name: str, res: int, replicas: int, global_batch: int, classes: int) -
     t = np.eye(classes, dtype=np.float32)[labels]
     out = {}
 
-    made = program.train_program(net, recipe, classes=classes, replicas=replicas,
-                                 precision="f32", donate=True)
+    made = program.train_program(net, recipe, program.Setup(replicas, "f32"), classes=classes,
+                                 donate=True)
     # a copy: the step donates its state, which must not free the arrays the peers start from
     state = made.place(made.init(*jax.tree.map(jnp.copy, (params, buffers))))
     args = (jnp.asarray(x[None]), jnp.asarray(t[None]), jax.random.key(1))

@@ -77,7 +77,7 @@ def loop_overhead(args) -> str:
                                                         src.classes))
             b = loader.train_batch(src, sources.Augment(), seed=0, step=0, micro=recipe.accum,
                                    rows=tc.rows)
-            xs, ts = program.prepare_program(src.classes, tc.precision, args.replicas)(
+            xs, ts = program.prepare_program(src.classes, tc.setup)(
                 *jax.device_put((b.xs, b.labels), jax.sharding.NamedSharding(
                     dp.mesh(args.replicas), dp.MICRO_BATCH)), b.mix, b.box,
                 jax.device_put(b.plan, jax.sharding.NamedSharding(

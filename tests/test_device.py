@@ -149,7 +149,7 @@ def test_device_rows_are_the_pillow_paths(tmp_path):
                                            ours.layout(sources.Augment())))
         assert np.abs(bare.astype(int) - want.xs[0]).max() > 1  # control: RandAugment's effect
     assert np.array_equal(ours.val_rows(np.arange(8))[0], pillow.val_rows(np.arange(8))[0])
-    prepare = program.prepare_program(ours.classes, "f32", 1, layout=ours.layout(aug))
+    prepare = program.prepare_program(ours.classes, layout=ours.layout(aug))
     xs, ts = prepare(got.xs, got.labels, got.mix, got.box, got.plan)
     assert xs.shape == (1, rows, S, S, 3) and ts.shape == (1, rows, ours.classes)
 

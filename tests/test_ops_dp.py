@@ -185,8 +185,8 @@ def test_the_optimizer_state_is_laid_out_in_slices_and_placed_so():
     assert dp.slice_spec((6, 4), 2) == P(dp.AXIS)
     assert dp.slice_spec((3, 4), 2) == P(None, dp.AXIS)
     assert dp.slice_spec((3, 5), 2) == dp.slice_spec((), 2) == dp.REPLICATED
-    made = program.train_program(get_net("mnv4"), recipes.parse("mnv4in_adamdp2"), classes=10,
-                                 replicas=2)
+    made = program.train_program(get_net("mnv4"), recipes.parse("mnv4in_adamdp2"),
+                                 program.Setup(replicas=2), classes=10)
     specs = made.in_specs[0]
     mu = specs.opt_state[0].mu
     assert set(mu) == set(made.state.params) and mu["conv_stem.weight"] != dp.REPLICATED

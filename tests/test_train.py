@@ -235,7 +235,7 @@ def _exported_weights_run_in_timm_as_in_twinstep(run_dir):
     state = load_state(run_dir)
     classes = json.loads((run_dir / "config.json").read_text())["classes"]
     x = digits.split("val", 32)[0][:16]
-    ours = program.eval_program(mobilenetv4, "f32")(state["params"], state["buffers"], x)
+    ours = program.eval_program(mobilenetv4)(state["params"], state["buffers"], x)
     done = subprocess.run([sys.executable, "-m", "twinstep.cli", "weights", str(run_dir)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -309,7 +309,7 @@ class _StandIn:
     def __init__(self, nan_at=None):
         self.nan_at = nan_at
 
-    def train_program(self, net, recipe, *, classes, **kw):
+    def train_program(self, net, recipe, setup=None, *, classes, **kw):
         from twinstep import optim, program, step
 
         def init(params, buffers):
@@ -325,7 +325,7 @@ class _StandIn:
     def eval_program(self, *a, **kw):
         return lambda params, buffers, x: np.zeros((len(x), 10), np.float32)
 
-    def compile_step(self, prog, **kw):
+    def compile_step(self, prog, setup, **kw):
         return prog.step  # nothing to compile
 
 
@@ -442,7 +442,7 @@ def test_evaluation_sharded_over_the_replicas_is_the_single_devices():
                                   linear=mobilenetv4.LINEAR_INIT),
                layers.init_buffers(shapes, np.float32))
     x = digits.split("val", 32)[0][:8]
-    logits = program.eval_program(mobilenetv4, "f32", "mnv4" in FAST_COMPILE_NETS)
+    logits = program.eval_program(mobilenetv4, fast_compile="mnv4" in FAST_COMPILE_NETS)
 
     def on(replicas):
         on_all, by_rows = evaluation.eval_placement(replicas)

@@ -424,7 +424,7 @@ def test_the_devices_normalise_and_mix_as_the_host_does():
     assert np.array_equal(transforms.NORMALIZED, normalize(every))
     u8 = np.random.default_rng(4).integers(0, 256, (2, B, H, W, C), dtype=np.uint8)
     labels = np.stack([LABELS, LABELS[::-1]]).astype(np.int32)
-    one, two = (program.prepare_program(K, "f32", r) for r in (1, 2))
+    one, two = (program.prepare_program(K, program.Setup(replicas=r)) for r in (1, 2))
     sharded = jax.sharding.NamedSharding(dp.mesh(2), dp.MICRO_BATCH)
 
     def on_devices(lam, box, prepare=one):

@@ -76,8 +76,8 @@ def _x64(precision: str):
 def tie(net: str = "resnet50", progress=None, **config):
     """Tie one gradient step: R replicas of N against one device at R N, every parameter
     gradient, BN statistic, the loss and the running statistics. ``config``: the fields of
-    `twinstep.checking.tie.TieConfig` (replicas, batch, res, classes, loss, precision, seed,
-    shift, control, state, fast_compile). Returns a `twinstep.checking.tie.TieReport` (``.ok``,
+    `twinstep.checking.tie.TieConfig`, by keyword (each a `twinstep tie` flag: docs/tie.md).
+    Returns a `twinstep.checking.tie.TieReport` (``.ok``,
     ``.verdict()``, ``.to_json()``); ``progress(text)`` is told what runs now."""
     from twinstep.checking.tie import TieConfig, run_tie
 
@@ -206,10 +206,10 @@ def pack(folder: str, out: str, max_side: int | None = None, quality: int | None
 
 def render(name: str, replicas: int = 1, out: str | None = None, **config):
     """Export recipe ``name``'s whole train step for an R-device mesh (no R devices needed).
-    ``config``: the fields of `twinstep.rendering.render.RenderConfig` (res, classes, precision,
-    platform, control, target). With ``out`` the three files are written there (and NAME.vmfb
-    with target="iree"). Returns a `twinstep.rendering.render.Render` (``.exported``, ``.mlir``,
-    ``.manifest``, ``.vmfb``)."""
+    ``config``: the fields of `twinstep.rendering.render.RenderConfig`, by keyword (each a
+    `twinstep render` flag: docs/renders.md). With ``out`` the three files are written there
+    (and NAME.vmfb with target="iree"). Returns a `twinstep.rendering.render.Render`
+    (``.exported``, ``.mlir``, ``.manifest``, ``.vmfb``)."""
     from twinstep.processes import disk
     from twinstep.rendering.render import RenderConfig, make, write
 

@@ -36,28 +36,46 @@ from twinstep.ops.precision import Precision, get_precision
 from twinstep.processes import cluster, settings
 
 
-def context(replicas: int, precision: str | Precision, control: str = "none",
-            depthwise_path: str | None = None, dense_path: str | None = None) -> layers.Ctx:
-    """What a step's ops run in: the single device at R = 1, else R replicas on `dp.AXIS`;
-    the conv paths as in `layers.Ctx`."""
-    rep = SINGLE if replicas == 1 and control == "none" else dp.replicas(replicas, control)
-    return layers.Ctx(rep, get_precision(precision), depthwise_path=depthwise_path,
-                      dense_path=dense_path)
+class Setup(NamedTuple):
+    """Where and how a step program runs, one value for every factory: on ``replicas``
+    replicas (R), at ``precision`` (`twinstep.ops.precision`), with a negative ``control``
+    (`twinstep.collectives.CONTROLS`), by the conv paths ``depthwise_path`` and ``dense_path``
+    (None: the platform's, `twinstep.ops.conv`)."""
+
+    replicas: int = 1
+    precision: str | Precision = "f32"
+    control: str = "none"
+    depthwise_path: str | None = None
+    dense_path: str | None = None
+
+    def single(self) -> Setup:
+        """The single device this setup is tied to: R = 1, no control."""
+        return self._replace(replicas=1, control="none")
+
+    def context(self, train: bool = True) -> layers.Ctx:
+        """What a step's ops run in: the single device at R = 1, else R replicas on
+        `dp.AXIS`."""
+        single = self.replicas == 1 and self.control == "none"
+        rep = SINGLE if single else dp.replicas(self.replicas, self.control)
+        return layers.Ctx(rep, get_precision(self.precision), train=train,
+                          depthwise_path=self.depthwise_path, dense_path=self.dense_path)
+
+
+ONE_DEVICE = Setup()  # the factories' default: one device, f32, the platform's conv paths
 
 
 def _stacked(tree):
     return jax.tree.map(lambda a: a[None], tree)
 
 
-def grad_program(net: Net, *, replicas: int = 1, loss: str = "ce",
-                 precision: str | Precision = "f32", control: str = "none",
-                 collective: bool = True, per_replica: bool = False, fast_compile: bool = False,
-                 depthwise_path: str | None = None, dense_path: str | None = None):
-    """The gradient step (params, buffers, x, t) -> step.StepOut on R replicas (x, t sharded by
-    rows, everything else replicated). ``per_replica``: what each replica holds for itself —
-    BN statistics, running buffers, and without the ``collective`` its own gradients — comes
-    back stacked along a leading replica axis [R, ...], to check that the replicas agree."""
-    ctx = context(replicas, precision, control, depthwise_path, dense_path)
+def grad_program(net: Net, setup: Setup = ONE_DEVICE, *, loss: str = "ce",
+                 collective: bool = True, per_replica: bool = False, fast_compile: bool = False):
+    """The gradient step (params, buffers, x, t) -> step.StepOut on ``setup``'s R replicas (x,
+    t sharded by rows, everything else replicated). ``per_replica``: what each replica holds
+    for itself — BN statistics, running buffers, and without the ``collective`` its own
+    gradients — comes back stacked along a leading replica axis [R, ...], to check that the
+    replicas agree."""
+    ctx = setup.context()
 
     def fn(p, b, x, t):
         out = step.grad_step(net, p, b, x, t, ctx=ctx, loss=loss, collective=collective)
@@ -70,17 +88,16 @@ def grad_program(net: Net, *, replicas: int = 1, loss: str = "ce",
     r, s = dp.REPLICATED, dp.BATCH
     own = s if per_replica else r  # stacked per-replica outputs are sharded along [R, ...]
     out_specs = step.StepOut(r, r if collective else s, own, own, s)
-    return dp.replica_map(fn, replicas, (r, r, s, s), out_specs, fast_compile=fast_compile)
+    return dp.replica_map(fn, setup.replicas, (r, r, s, s), out_specs,
+                          fast_compile=fast_compile)
 
 
-def eval_program(net: Net, precision: str | Precision = "f32", fast_compile: bool = False,
-                 depthwise_path: str | None = None, dense_path: str | None = None):
-    """Eval-mode logits (params, buffers, x [N, S, S, 3]) -> [N, K] on one device; a uint8 x is
-    normalised first (`network_input`)."""
-    prec = get_precision(precision)
-    ctx = layers.Ctx(SINGLE, prec, train=False, depthwise_path=depthwise_path,
-                     dense_path=dense_path)
-    return dp.jit(lambda p, b, x: net.forward(p, b, network_input(x, prec.dtype), ctx)[0],
+def eval_program(net: Net, setup: Setup = ONE_DEVICE, *, fast_compile: bool = False):
+    """Eval-mode logits (params, buffers, x [N, S, S, 3]) -> [N, K] on one device, at
+    ``setup``'s precision and conv paths; a uint8 x is normalised first (`network_input`)."""
+    ctx = setup.single().context(train=False)
+    dtype = ctx.precision.dtype
+    return dp.jit(lambda p, b, x: net.forward(p, b, network_input(x, dtype), ctx)[0],
                   fast_compile)
 
 
@@ -94,11 +111,11 @@ def network_input(x, dtype):
     return x.astype(dtype)
 
 
-def prepare_program(classes: int, precision: str | Precision, replicas: int = 1,
-                    fast_compile: bool = False, layout=None):
-    """The step's inputs from the host's batch, on the devices: (xs [k, R N, S, S, 3] uint8 or
-    float32, labels [k, R N], mix [k, 2], box [k, 4], plan [k, R N, P]) -> (xs, ts [k, R N,
-    K]) in the precision's dtype, xs, labels and plans sharded by rows. With a ``layout``
+def prepare_program(classes: int, setup: Setup = ONE_DEVICE, *, fast_compile: bool = False,
+                    layout=None):
+    """The step's inputs from the host's batch, on ``setup``'s replicas: (xs [k, R N, S, S, 3]
+    uint8 or float32, labels [k, R N], mix [k, 2], box [k, 4], plan [k, R N, P]) -> (xs, ts
+    [k, R N, K]) in the precision's dtype, xs, labels and plans sharded by rows. With a ``layout``
     (`twinstep.data.device.Layout`) xs are canvases [k, R N, C, C, 3] that each row's plan
     resizes and augments first (`twinstep.data.device_ops.crops`). Each micro-batch is mixed
     over its global rows as `twinstep.data.mix.apply` mixes it: row i with row R N - 1 - i,
@@ -106,7 +123,7 @@ def prepare_program(classes: int, precision: str | Precision, replicas: int = 1,
     two products into one FMA, one rounding fewer than timm's float32 tensors
     (docs/training.md#augmentation) —; the targets λ onehot(y) + (1 - λ) onehot(y')
     likewise."""
-    dtype = get_precision(precision).dtype
+    dtype = get_precision(setup.precision).dtype
 
     def prepare(xs, labels, mix, box, plan):
         if layout is not None:  # per micro-batch: merged with the sharded rows, XLA would
@@ -126,10 +143,10 @@ def prepare_program(classes: int, precision: str | Precision, replicas: int = 1,
         ts = onehot * mix[:, None, 0:1] + onehot[:, ::-1] * mix[:, None, 1:2]
         return x.astype(dtype), ts.astype(dtype)
 
-    if replicas == 1:
+    if setup.replicas == 1:
         return dp.jit(prepare, fast_compile)
     r, s = dp.REPLICATED, dp.MICRO_BATCH
-    return dp.laid_out_jit(prepare, dp.mesh(replicas), (s, s, r, r, s), (s, s),
+    return dp.laid_out_jit(prepare, dp.mesh(setup.replicas), (s, s, r, r, s), (s, s),
                            fast_compile=fast_compile)
 
 
@@ -150,12 +167,10 @@ def abstract_params(net: Net, classes: int, dtype) -> tuple[dict, dict]:
             {k: jax.ShapeDtypeStruct(s, dtype) for k, s in layers.buffer_shapes(shapes).items()})
 
 
-def train_program(net: Net, recipe, *, classes: int, replicas: int = 1,
-                  precision: str | Precision = "f32", control: str = "none", mesh=None,
+def train_program(net: Net, recipe, setup: Setup = ONE_DEVICE, *, classes: int, mesh=None,
                   flat: bool = False, donate: bool = False, fast_compile: bool = False,
-                  depthwise_path: str | None = None, dense_path: str | None = None,
                   shard_optimizer: bool = True) -> TrainProgram:
-    """The recipe's whole train step on R replicas.
+    """The recipe's whole train step on ``setup``'s R replicas.
 
     step(state, xs, ts, key) -> (state, {"loss", "lr"}); xs, ts sharded along their R N rows,
     the key replicated. At R = 1 step also takes ``row_order`` [N] (the tie's reordered
@@ -174,7 +189,7 @@ def train_program(net: Net, recipe, *, classes: int, replicas: int = 1,
     state and runs the whole update. Across processes (gloo on CPU) the reduce-scatter and the
     all-gathers cost more than the all-reduce and the update they replace (bench/history/),
     so a mesh over several processes keeps the whole state."""
-    prec = get_precision(precision)
+    prec, replicas = get_precision(setup.precision), setup.replicas
     params, buffers = abstract_params(net, classes, prec.dtype)
     opt = optim.for_recipe(recipe, params)
 
@@ -183,7 +198,7 @@ def train_program(net: Net, recipe, *, classes: int, replicas: int = 1,
         return step.init_state(recipe, p, b, opt)
 
     state = jax.eval_shape(init, params, buffers)
-    ctx = context(replicas, prec, control, depthwise_path, dense_path)
+    ctx = setup.context()
     if (replicas > 1 and shard_optimizer and not flat and cluster.count() == 1
             and recipe.optimizer not in optim.PER_TENSOR_NORMS):
         return _sliced_optimizer_program(net, recipe, opt=opt, init=init, state=state, ctx=ctx,
@@ -218,14 +233,14 @@ def train_program(net: Net, recipe, *, classes: int, replicas: int = 1,
                         lambda st: dp.replicate(st, replicas))
 
 
-def compile_step(prog: TrainProgram, *, replicas: int, micro: tuple[int, int], res: int,
-                 classes: int, precision: str | Precision):
+def compile_step(prog: TrainProgram, setup: Setup, *, micro: tuple[int, int], res: int,
+                 classes: int):
     """``prog.step`` compiled ahead of time for the trainer's arguments, before any of them
     exists: the state as ``prog.place`` lays it out, xs [k, R N, S, S, 3] and ts [k, R N, K]
     (``micro`` = (k, R N)) as `prepare_program` returns them, the key. The compile then peaks
     on its own, not on top of the state, the data and the loader (docs/speed.md#memory).
     Arguments laid out otherwise are refused (a jitted step would compile again)."""
-    dtype = get_precision(precision).dtype
+    dtype, replicas = get_precision(setup.precision).dtype, setup.replicas
     state = dp.placed_shapes(prog.state, prog.in_specs[0], replicas)
     rows = dp.placed_shapes((jax.ShapeDtypeStruct((*micro, res, res, 3), dtype),
                              jax.ShapeDtypeStruct((*micro, classes), dtype)), dp.MICRO_BATCH,

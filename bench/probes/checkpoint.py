@@ -52,8 +52,8 @@ def main(args) -> None:
     recipe = recipes.parse(args.recipe)
     net, dtype = get_net(recipe.net), get_precision(args.precision).dtype
     shapes = net.param_shapes(10)
-    made = program.train_program(net, recipe, classes=10, replicas=args.replicas,
-                                 precision=args.precision)
+    made = program.train_program(net, recipe, program.Setup(args.replicas, args.precision),
+                                 classes=10)
     state = made.init(layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(), dtype,
                                          linear=net.LINEAR_INIT),
                       layers.init_buffers(shapes, dtype))

@@ -56,10 +56,10 @@ def _compile_only(args) -> dict:
     cfg = TrainConfig(args.recipe, "unused", replicas=args.replicas, batch=args.batch,
                       res=args.res, steps=args.steps)
     recipe = cfg.parsed_recipe()
-    prog = program.train_program(get_net(recipe.net), recipe, classes=10,
-                                 replicas=args.replicas, precision="f32")
-    compiled = program.compile_step(prog, replicas=args.replicas, micro=(recipe.accum, cfg.rows),
-                                    res=args.res, classes=10, precision="f32")
+    prog = program.train_program(get_net(recipe.net), recipe, program.Setup(args.replicas),
+                                 classes=10)
+    compiled = program.compile_step(prog, program.Setup(args.replicas),
+                                    micro=(recipe.accum, cfg.rows), res=args.res, classes=10)
     rss, peak = _mib()
     m = compiled.memory_analysis()  # per device; the outputs alias the donated arguments
     buffers = args.replicas * (m.argument_size_in_bytes + m.temp_size_in_bytes) / 2**20

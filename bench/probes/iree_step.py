@@ -44,7 +44,8 @@ def inputs(recipe, res: int, precision: str = "f32") -> list:
     shapes = net.param_shapes(CLASSES)
     params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
                                 linear=net.LINEAR_INIT)
-    made = program.train_program(net, recipe, classes=CLASSES, replicas=1, precision=precision)
+    made = program.train_program(net, recipe, program.Setup(precision=precision),
+                                 classes=CLASSES)
     state = made.init(params, layers.init_buffers(shapes))
     xs, ts = tie_inputs.batch(np.random.default_rng(0), (recipe.accum, recipe.batch), res=res,
                               classes=CLASSES, replicas=1, shift=False,

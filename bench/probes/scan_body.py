@@ -42,7 +42,7 @@ def programs(name: str, res: int, batch: int) -> dict:
     buffers = layers.init_buffers(shapes)
     rng = np.random.default_rng(0)
     key = jax.random.key(1)
-    ctx = program.context(1, "f32")
+    ctx = program.Setup().context()
     xs = jnp.asarray(rng.standard_normal((2, batch, res, res, 3)), jnp.float32)
     ts = jax.nn.one_hot(jnp.asarray(rng.integers(0, CLASSES, (2, batch))), CLASSES)
     fns = {}

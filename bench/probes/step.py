@@ -47,8 +47,8 @@ def peers(net, res, batch, depthwise_path=None):
     ctx = layers.Ctx(depthwise_path=depthwise_path)
     # twinstep's step at one device: forward, loss, the explicit backward chain (+ the running
     # statistics' update and the loss value, which the peers skip)
-    explicit = program.grad_program(net, replicas=1, loss="ce", precision="f32",
-                                    depthwise_path=depthwise_path)
+    explicit = program.grad_program(net, program.Setup(depthwise_path=depthwise_path),
+                                    loss="ce")
 
     @jax.jit
     def autodiff(p):
@@ -68,8 +68,8 @@ def peers(net, res, batch, depthwise_path=None):
     if net.NAME == "mnv4":
         # The same chain with feature_group_count depthwise convs: the path XLA:CPU runs slowly
         # (docs/platform.md).
-        grouped = program.grad_program(net, replicas=1, loss="ce", precision="f32",
-                                       depthwise_path="grouped")
+        grouped = program.grad_program(net, program.Setup(depthwise_path="grouped"),
+                                       loss="ce")
         fns["explicit chain, grouped depthwise"] = lambda: block(
             grouped(params, buffers, xj, t).grads)
     return fns

@@ -62,12 +62,11 @@ def parts(name: str, res: int, batch: int) -> dict:
     opt = optax.adamw(optim.recipe_schedule(recipe), *optim.BETAS, eps=optim.EPS["adamw"],
                       weight_decay=recipe.effective_weight_decay)
     fns = {}
-    made = program.train_program(net, recipe, classes=CLASSES, replicas=1, precision="f32",
-                                 donate=True)
+    made = program.train_program(net, recipe, classes=CLASSES, donate=True)
     args = (x[None], t[None], jax.random.key(1))
     state = made.init(*jax.tree.map(jnp.copy, (params, buffers)))
     fns["twinstep train step"] = _stepper(made.step.lower(state, *args).compile(), state, *args)
-    ctx = program.context(1, "f32")
+    ctx = program.Setup().context()
     grad = jax.jit(lambda p, b, x, t: step.grad_step(net, p, b, x, t, ctx=ctx).grads)
     grad = grad.lower(params, buffers, x, t).compile()
     fns["twinstep gradient step"] = lambda: block(grad(params, buffers, x, t))

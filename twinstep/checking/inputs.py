@@ -79,7 +79,7 @@ def memory_floor(cfg, net, prec: Precision) -> int:
     jax.eval_shape) and four parameter-sized trees (parameters, buffers, two gradients)."""
     params, buffers = program.abstract_params(net, cfg.classes, prec.dtype)
     x = jax.ShapeDtypeStruct((cfg.replicas * cfg.batch, cfg.res, cfg.res, 3), prec.dtype)
-    ctx = program.context(1, prec)
+    ctx = program.Setup(precision=prec).context()
 
     def saved(p, b, x):  # the tape's arrays (it also holds names)
         return [a for a in jax.tree.leaves(net.forward(p, b, x, ctx)[1]) if hasattr(a, "dtype")]

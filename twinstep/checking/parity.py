@@ -137,11 +137,11 @@ def run_parity(net, *, res: int = 64, batch: int = 2, precision: str = "f64", lo
 
     ours = tamper(params) if tamper else params
     xj = jnp.asarray(x, prec.dtype)
-    out = program.grad_program(net, replicas=1, loss=loss, precision=prec,
-                               fast_compile=fast_compile)(
+    setup = program.Setup(precision=prec)
+    out = program.grad_program(net, setup, loss=loss, fast_compile=fast_compile)(
         ours, buffers, xj, jnp.asarray(targets, prec.dtype))
     logits, grads, new_buffers = out.logits, out.grads, out.buffers
-    eval_logits = program.eval_program(net, prec, fast_compile)(ours, buffers, xj)
+    eval_logits = program.eval_program(net, setup, fast_compile=fast_compile)(ours, buffers, xj)
 
     tdtype = "float64" if prec.name == "f64" else "float32"
     model = to_timm(net, params, buffers, num_classes, tdtype)

@@ -126,16 +126,15 @@ def _check_steps_config(cfg: TieConfig, recipe) -> None:
 
 def single_program(net, cfg: TieConfig, prec: Precision):
     """The single-device gradient step at the global batch R N."""
-    return _grad_program(net, replicas=1, loss=cfg.loss, precision=prec, control="none",
-                         collective=True, per_replica=False, fast_compile=cfg.fast_compile)
+    return _grad_program(net, program.Setup(precision=prec), loss=cfg.loss, collective=True,
+                         per_replica=False, fast_compile=cfg.fast_compile)
 
 
 def replica_program(net, cfg: TieConfig, prec: Precision, collective: bool = True):
     """The replica step; per-replica outputs (statistics, buffers, and without the collective the
     gradients) come back stacked along a leading replica axis, to check they agree."""
-    return _grad_program(net, replicas=cfg.replicas, loss=cfg.loss, precision=prec,
-                         control=cfg.control, collective=collective, per_replica=True,
-                         fast_compile=cfg.fast_compile)
+    return _grad_program(net, program.Setup(cfg.replicas, prec, cfg.control), loss=cfg.loss,
+                         collective=collective, per_replica=True, fast_compile=cfg.fast_compile)
 
 
 # Ties ask for the same programs again (other seeds, shifts, the tests): one compile each.

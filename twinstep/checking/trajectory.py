@@ -130,10 +130,10 @@ class StepsReport(bounds.Verdict):
 def train_programs(net, recipe, cfg: TieConfig, prec: Precision) -> tuple:
     """(single-device at R N, R-replica) `program.TrainProgram`s of the recipe; each step
     donates the state it steps."""
-    kw = {"classes": cfg.classes, "precision": prec, "donate": True,
-          "fast_compile": cfg.fast_compile}
-    return (program.train_program(net, recipe, replicas=1, **kw),
-            program.train_program(net, recipe, replicas=cfg.replicas, control=cfg.control, **kw))
+    kw = {"classes": cfg.classes, "donate": True, "fast_compile": cfg.fast_compile}
+    setup = program.Setup(cfg.replicas, prec, cfg.control)
+    return (program.train_program(net, recipe, setup.single(), **kw),
+            program.train_program(net, recipe, setup, **kw))
 
 
 def run_steps_tie(cfg: TieConfig, recipe=None, *, steps: int = STEPS, net=None, replica=None,

@@ -60,7 +60,8 @@ def forward_macs(net, res: int = 224, num_classes: int = 1000) -> int:
     params, buffers = program.abstract_params(net, num_classes, jnp.float32)
     x = jax.ShapeDtypeStruct((1, res, res, 3), jnp.float32)
     # every convolution one op: grouped depthwise, dense as XLA convolutions
-    forward = program.eval_program(net, "f32", depthwise_path="grouped", dense_path="conv")
+    forward = program.eval_program(net, program.Setup(depthwise_path="grouped",
+                                                      dense_path="conv"))
     return stablehlo.macs(forward.lower(params, buffers, x).as_text())
 
 

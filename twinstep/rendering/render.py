@@ -171,10 +171,10 @@ def export_step(cfg: RenderConfig, single: bool = False) -> Export:
     mesh = dp.abstract_mesh(replicas) if replicas > 1 else None
     with settings.jax_settings(jax_enable_x64=prec.name == "f64",
                               jax_traceback_in_locations_limit=0):
-        made = program.train_program(net, recipe, classes=cfg.classes, replicas=replicas,
-                                     precision=prec, control="none" if single else cfg.control,
-                                     mesh=mesh, flat=True, depthwise_path=depthwise,
-                                     dense_path="conv")
+        setup = program.Setup(replicas, prec, "none" if single else cfg.control,
+                              depthwise_path=depthwise, dense_path="conv")
+        made = program.train_program(net, recipe, setup, classes=cfg.classes, mesh=mesh,
+                                     flat=True)
         leaves = jax.tree.leaves(made.state)
         rows = cfg.replicas * recipe.batch
         avals = [*leaves, jax.ShapeDtypeStruct((recipe.accum, rows, cfg.res, cfg.res, 3),

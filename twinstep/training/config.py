@@ -214,6 +214,14 @@ class TrainConfig:
                                    warmup_lr=min(WARMUP_LR, r.lr), **given)
 
     @property
+    def setup(self):
+        """The step's `twinstep.program.Setup`: R, precision, control; the platform's conv
+        paths."""
+        from twinstep import program
+
+        return program.Setup(self.replicas, self.precision, self.control)
+
+    @property
     def rows(self) -> int:
         return self.replicas * self.batch
 

@@ -206,12 +206,11 @@ def _batch_sharding(cfg: TrainConfig):
 def _programs(cfg: TrainConfig, net, recipe, src, augment) -> tuple:
     """(the train program, the eval program, the prepare program); the train step a render's or
     compiled now, last, before the state and data exist (the run's peak)."""
-    prog = program.train_program(net, recipe, classes=src.classes, replicas=cfg.replicas,
-                                 precision=cfg.precision, control=cfg.control,
-                                 fast_compile=cfg.fast_compile)
-    eval_fn = program.eval_program(net, cfg.precision, cfg.fast_compile)
-    prepare = program.prepare_program(src.classes, cfg.precision, cfg.replicas, cfg.fast_compile,
-                                      src.layout(augment))
+    setup, fast = cfg.setup, cfg.fast_compile
+    prog = program.train_program(net, recipe, setup, classes=src.classes, fast_compile=fast)
+    eval_fn = program.eval_program(net, setup, fast_compile=fast)
+    prepare = program.prepare_program(src.classes, setup, fast_compile=fast,
+                                      layout=src.layout(augment))
     prog = (_render_program if cfg.render else _compiled_step)(cfg, prog, src.classes)
     return prog, eval_fn, prepare
 
@@ -220,9 +219,8 @@ def _compiled_step(cfg: TrainConfig, prog, classes: int):
     """``prog`` with its step compiled ahead of time (`program.compile_step`), then the freed
     compile memory handed back: the compile peaks on its own, not on top of a run under way
     (docs/speed.md#memory)."""
-    compiled = program.compile_step(prog, replicas=cfg.replicas,
-                                    micro=(cfg.parsed_recipe().accum, cfg.rows), res=cfg.res,
-                                    classes=classes, precision=cfg.precision)
+    compiled = program.compile_step(prog, cfg.setup, micro=(cfg.parsed_recipe().accum, cfg.rows),
+                                    res=cfg.res, classes=classes)
     settings.release_freed_memory()
     return prog._replace(step=compiled)
 
