@@ -5,11 +5,16 @@
 # JPEGs and their packed copy through Pillow (img/s, data vs step; bench/gpu_train.py);
 # `feed`, the device loader (`--loader device`): its host's and its GPU's shares alone
 # (bench/gpu_feed.py), then ResNet-50 trained through it and through Pillow with RandAugment m9
-# (bench/gpu_train.py). Needs no network.
+# (bench/gpu_train.py); `profile`, where each net's step spends its time at batch 512 (kernel
+# time by category, the top 40 kernels, bandwidth, useful MFU; bench/gpu_profile.py, each net
+# in a process of its own), with XLA's autotuning results kept in bench/autotune/ for the next
+# lease (carry that folder). Needs no network.
 #
 #   bash bench/gpu.sh [step] [hlo] [train]      # default: these three; from the repository root
 #   NETS=mnv4 bash bench/gpu.sh step hlo        # one net
 #   bash bench/gpu.sh feed                      # about 8 minutes on its own
+#   bash bench/gpu.sh profile                   # at most 9 minutes
+#   STEP_ARGS=--recipe-res bash bench/gpu.sh step   # also each net at its recipe's resolution
 #
 # Each part has a time limit (step 360 s, hlo 150 s, train 300 s, feed 200 + 300 s). Seen on one H200 (2026-12-04,
 # bench/RESULTS.md#gpu): step, ResNet-50 86 s, MobileNetV4 over 190 s (cut there; its autotuned
@@ -43,8 +48,8 @@
 set -u
 parts=" ${*:-step hlo train} "
 for part in $parts; do
-    case $part in step | hlo | train | feed) ;;
-        *) echo "gpu.sh: no part '$part' (step, hlo, train, feed)" >&2; exit 2 ;; esac
+    case $part in step | hlo | train | feed | profile) ;;
+        *) echo "gpu.sh: no part '$part' (step, hlo, train, feed, profile)" >&2; exit 2 ;; esac
 done
 # shellcheck disable=SC2206 # the nets are words
 nets=(${NETS:-resnet50 mnv4})
@@ -85,7 +90,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 
 step=0 bf16=0 train=0
 if [[ $parts == *" step "* ]]; then
-    timeout 360 "$PY" bench/gpu_step.py --nets "${nets[@]}" --json "$out/gpu_step.json"
+    # shellcheck disable=SC2086 # the arguments are words
+    timeout 360 "$PY" bench/gpu_step.py --nets "${nets[@]}" --json "$out/gpu_step.json" \
+        ${STEP_ARGS:-}
     step=$?
 fi
 if [[ $parts == *" hlo "* ]]; then
@@ -117,8 +124,17 @@ if [[ $parts == *" feed "* ]]; then
         feed=3
     fi
 fi
+profile=0
+if [[ $parts == *" profile "* ]]; then
+    mkdir -p bench/autotune
+    XLA_FLAGS="$XLA_FLAGS --xla_gpu_per_fusion_autotune_cache_dir=$PWD/bench/autotune" \
+        timeout 540 "$PY" bench/gpu_profile.py --nets "${nets[@]}" --out "$out/profile" \
+        --limit 260
+    profile=$?
+fi
 echo "gpu.sh:${parts}: gpu_step exit $step, gpu_bf16_hlo exit $bf16, gpu_train exit $train," \
-    "feed exit $feed"
-[ "$step" -eq 0 ] && [ "$bf16" -eq 0 ] && [ "$train" -eq 0 ] && [ "$feed" -eq 0 ] && exit 0
+    "feed exit $feed, profile exit $profile"
+[ "$step" -eq 0 ] && [ "$bf16" -eq 0 ] && [ "$train" -eq 0 ] && [ "$feed" -eq 0 ] &&
+    [ "$profile" -eq 0 ] && exit 0
 [ "$bf16" -eq 1 ] && exit 1
 exit 3

@@ -7,12 +7,16 @@ multiple of 32, at most --max-batch) whose estimate fits in --memory-fraction of
 Synthetic inputs live on the device already: this times the step, not an input pipeline. The
 state is donated, as the trainer does.
 
-MFU = 2 x (the program's multiply-accumulates: forward, input and weight gradients, counted in
-its StableHLO by `twinstep.rendering.stablehlo.macs`) per step / step time / the device's dense
-bf16 peak.
+MFU = 2 x (the program's useful multiply-accumulates: forward, input and weight gradients,
+counted in its StableHLO by `twinstep.rendering.stablehlo.macs`, without the zeros a strided
+convolution's input gradient dilates its cotangent with) per step / step time / the device's
+dense bf16 peak. The JSON also holds the count with those zeros ("tflop_per_step"), which the
+first lease reported as MFU. Steps are timed in one window blocked once at its end, as the
+trainer runs them (it blocks only at a log or checkpoint step). --recipe-res adds a row per
+net at its recipe's own train resolution (MobileNetV4-Conv-M: 256²).
 
     python bench/gpu_step.py [--nets resnet50 mnv4] [--res 224] [--steps 30] [--batch N]
-                             [--peak-tflops 989]
+                             [--recipe-res] [--peak-tflops 989]
 
 Prints one line per net and writes bench/gpu_step.json beside itself (or --json PATH) after
 each net. Exit 0 when it ran, 2 without a GPU, 3 when a net failed (its error is printed and
@@ -36,6 +40,7 @@ import numpy as np
 
 from twinstep import program, recipes
 from twinstep.nets import get_net, layers
+from twinstep.ops import conv
 from twinstep.rendering import render, stablehlo
 
 # H200 SXM (as H100 SXM): 989.4 dense bf16 TFLOP/s, NVIDIA's datasheet figure without sparsity
@@ -44,8 +49,8 @@ GOALS = {"resnet50": 8000, "mnv4": 15000}  # img/s on one H200 (issue 16)
 
 
 def build(net_name: str, batch: int, res: int, classes: int, options: dict | None = None):
-    """(compiled step, its arguments, MACs per step) at ``batch`` examples of ``res``²;
-    ``options``: XLA compiler options for this compile only."""
+    """(compiled step, its arguments, {"macs", "useful_macs"} per step) at ``batch`` examples
+    of ``res``²; ``options``: XLA compiler options for this compile only."""
     recipe = dataclasses.replace(recipes.parse(f"{net_name}in_adamdpbf16"), batch=batch)
     net = get_net(net_name)
     made = program.train_program(net, recipe, program.Setup(precision="bf16"), classes=classes,
@@ -59,7 +64,12 @@ def build(net_name: str, batch: int, res: int, classes: int, options: dict | Non
     ts = jax.nn.one_hot(jnp.asarray(rng.integers(0, classes, (1, batch))), classes)
     key = jax.random.key(1)
     lowered = made.step.lower(state, xs, ts, key)
-    macs = stablehlo.macs(lowered.as_text())
+    text = lowered.as_text()
+    if conv.default_dense_path() != "conv":  # counted as a GPU's program computes it
+        gpu = program.Setup(precision="bf16", depthwise_path="grouped", dense_path="conv")
+        text = program.train_program(net, recipe, gpu, classes=classes).step.lower(
+            state, xs, ts, key).as_text()
+    macs = {"macs": stablehlo.macs(text), "useful_macs": stablehlo.macs(text, useful=True)}
     return lowered.compile(compiler_options=options), (state, xs, ts, key), macs
 
 
@@ -87,38 +97,42 @@ def largest_batch(net_name, res, classes, probe, fraction, most) -> tuple[int, d
                                        "device_bytes": device_bytes()}
 
 
-def time_steps(compiled, args, steps: int) -> list[float]:
+def time_steps(compiled, args, steps: int, windows: int = 3) -> tuple[list[float], tuple]:
+    """(seconds per step of each of ``windows`` windows of ``steps`` // ``windows`` steps, each
+    blocked once at its end; the arguments after them, the state stepped)."""
     state, xs, ts, key = args
     for _ in range(3):  # warm-up (autotuning, first-touch allocations)
         state, metrics = compiled(state, xs, ts, key)
     jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
+    times, each = [], max(1, steps // windows)
+    for _ in range(windows):
         t0 = time.perf_counter()
-        state, metrics = compiled(state, xs, ts, key)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
+        for _ in range(each):
+            state, metrics = compiled(state, xs, ts, key)
+        jax.block_until_ready((state, metrics))
+        times.append((time.perf_counter() - t0) / each)
     if not math.isfinite(float(metrics["loss"])):
         raise RuntimeError("the loss is not finite")
-    return times
+    return times, (state, xs, ts, key)
 
 
-def run_net(net_name: str, args) -> dict:
+def run_net(net_name: str, args, res: int) -> dict:
     t0 = time.perf_counter()
     if args.batch:
         batch, memory = args.batch, {"device_bytes": device_bytes()}
     else:
-        batch, memory = largest_batch(net_name, args.res, args.classes, args.probe,
+        batch, memory = largest_batch(net_name, res, args.classes, args.probe,
                                       args.memory_fraction, args.max_batch)
-    compiled, call_args, macs = build(net_name, batch, args.res, args.classes)
+    compiled, call_args, macs = build(net_name, batch, res, args.classes)
     compile_s = time.perf_counter() - t0
-    times = time_steps(compiled, call_args, args.steps)
+    times, _ = time_steps(compiled, call_args, args.steps)
     step_s = statistics.median(times)
     ips = batch / step_s
-    mfu = 2 * macs / step_s / (args.peak_tflops * 1e12)
-    return {"net": net_name, "batch": batch, "res": args.res, "step_ms": step_s * 1e3,
+    mfu = 2 * macs["useful_macs"] / step_s / (args.peak_tflops * 1e12)
+    return {"net": net_name, "batch": batch, "res": res, "step_ms": step_s * 1e3,
             "img_per_s": ips, "goal_img_per_s": GOALS[net_name], "mfu": mfu,
-            "tflop_per_step": 2 * macs / 1e12, "compile_and_sizing_s": compile_s,
+            "useful_tflop_per_step": 2 * macs["useful_macs"] / 1e12,
+            "tflop_per_step": 2 * macs["macs"] / 1e12, "compile_and_sizing_s": compile_s,
             "step_ms_min_max": [min(times) * 1e3, max(times) * 1e3], **memory}
 
 
@@ -135,23 +149,29 @@ def main(argv=None) -> int:
     p.add_argument("--memory-fraction", type=float, default=0.8)
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
                    help="the device's dense bf16 peak, for MFU (default: H200's)")
+    p.add_argument("--recipe-res", action="store_true",
+                   help="also each net at its recipe's own train resolution")
     p.add_argument("--json", type=Path, default=Path(__file__).with_name("gpu_step.json"))
     args = p.parse_args(argv)
     if render.local_platform() not in ("cuda", "rocm"):
         print(f"no GPU: JAX runs on {jax.default_backend()}", file=sys.stderr)
         return 2
     rows, failed = [], 0
-    for net_name in args.nets:
+    runs = [(n, args.res) for n in args.nets]
+    if args.recipe_res:
+        runs += [(n, r) for n in args.nets
+                 if (r := recipes.parse(f"{n}in_adamdpbf16").train_res) != args.res]
+    for net_name, res in runs:
         try:
-            row = run_net(net_name, args)
+            row = run_net(net_name, args, res)
         except Exception as e:  # one net's failure (out of memory, say) leaves the other's row
             print(f"{net_name}: FAILED: {type(e).__name__}: {str(e)[:2000]}", flush=True)
             failed += 1
             continue
         rows.append(row)
-        print(f"{net_name}: batch {row['batch']} at {args.res}², bf16: {row['img_per_s']:,.0f} "
-              f"img/s (goal {row['goal_img_per_s']:,}), {row['step_ms']:.1f} ms/step, MFU "
-              f"{row['mfu']:.1%}, compile + sizing {row['compile_and_sizing_s']:.0f} s",
+        print(f"{net_name}: batch {row['batch']} at {res}², bf16: {row['img_per_s']:,.0f} "
+              f"img/s (goal {row['goal_img_per_s']:,}), {row['step_ms']:.1f} ms/step, useful "
+              f"MFU {row['mfu']:.1%}, compile + sizing {row['compile_and_sizing_s']:.0f} s",
               flush=True)
         # after each net: a run cut short by its time limit keeps what it measured
         args.json.write_text(json.dumps({"device": str(jax.devices()[0].device_kind),

@@ -231,6 +231,60 @@ def test_the_gpu_hlo_reader_reads_operands_by_name():
     assert not gpu_hlo.check(GPU_HLO, 3)[0]  # a convolution the reader did not find
 
 
+def test_useful_macs_leave_out_the_zeros_a_strided_input_gradient_dilates():
+    """A stride-2 convolution and its VJP: the useful count is three times the forward's (the
+    forward, the input and the weight gradients cost the same), the plain count more — the
+    input gradient, a convolution over the cotangent dilated by 2, counts 4x its taps."""
+    import jax.numpy as jnp
+
+    x, w = jnp.ones((2, 8, 8, 4)), jnp.ones((3, 3, 4, 6))
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (2, 2), ((1, 1), (1, 1)),
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def step(x, w):
+        y, vjp = jax.vjp(conv, x, w)
+        return vjp(y)
+
+    forward = stablehlo.macs(jax.jit(conv).lower(x, w).as_text())
+    text = jax.jit(step).lower(x, w).as_text()
+    assert forward == 2 * 4 * 4 * 3 * 3 * 4 * 6
+    assert stablehlo.macs(text, useful=True) == 3 * forward
+    assert stablehlo.macs(text) == 6 * forward  # control: the dilated zeros counted
+
+
+def test_the_profile_sorts_gpu_kernels_by_what_they_compute():
+    """bench/gpu_profile.py's categories of XLA:GPU's op and cuDNN's kernel names, each
+    category reached; controls: a name of none is "other", a cuDNN kernel that XLA made a
+    fusion is a convolution."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_profile.py")
+    spec = importlib.util.spec_from_file_location("gpu_profile", path)
+    gpu_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_profile)
+    named = {("cudnn-conv-bw-input.12", "sm90_xmma_dgrad_implicit_gemm"): "conv backward-input",
+             ("cudnn-conv-bw-filter.3", "sm90_xmma_wgrad"): "conv backward-filter",
+             ("cudnn-conv-bias-activation.2", "sm90_xmma_fprop"): "conv forward",
+             ("custom-call.4", "sm90_xmma_dgrad_nhwc"): "conv backward-input",
+             ("cublas-gemm.1", "sm90_xmma_gemm_bf16"): "gemm",
+             ("all-reduce-start.2", "ncclDevKernel_AllReduce"): "collectives",
+             ("copy.7", "copy_7"): "copies and pads", ("pad.3", "pad_3"): "copies and pads",
+             ("loop_fusion.9", "loop_fusion_9"): "XLA fusions",
+             ("input_reduce_fusion.1", "input_reduce_fusion_1"): "XLA fusions",
+             ("rng-bit-generator.1", "rng"): "other",  # control: none of them
+             ("fusion.2", "sm90_xmma_fprop"): "conv forward"}  # control: the kernel's name
+    assert {k: gpu_profile.category(*k) for k in named} == named
+    assert {c for c, _ in gpu_profile.CATEGORIES} <= set(named.values())
+    events = [("cudnn-conv.1", "fprop", 3e6), ("cudnn-conv.2", "fprop", 1e6),
+              ("loop_fusion.1", "loop_fusion_1", 4e6)]
+    summary = gpu_profile.summarise(events, steps=2, top=1)
+    assert summary["categories"]["conv forward"] == {"ms_per_step": 2.0, "share": 0.5}
+    assert summary["top"] == [{"kernel": "fprop", "op": "cudnn-conv", "category": "conv forward",
+                               "count_per_step": 1.0, "ms_per_step": 2.0}]
+
+
 @pytest.mark.parametrize("net,name", [("resnet50", "resnet50in_adamdp2bf16"),
                                       ("mnv4", "mnv4in_adamdp2bf16")])
 @pytest.mark.slow

@@ -128,22 +128,32 @@ def _typed_ops(mlir: str, op: str):
 _KERNEL_DIMS = re.compile(r"dim_numbers = \[[^\]]*\]x\[([^\]]*)\]")
 
 
+_LHS_DILATE = re.compile(r"lhs_dilate = \[([^\]]*)\]")
+
+
 def convolutions(mlir: str) -> list[dict]:
     """Every ``stablehlo.convolution``: {"operands": [(shape, dtype)] x 2, "result": (shape,
-    dtype), "kernel_out": the kernel's output-feature dimension}."""
+    dtype), "kernel_out": the kernel's output-feature dimension, "lhs_dilate": the input's
+    dilation, one factor per spatial dimension}."""
     out = []
     for line in mlir.splitlines():
         if "stablehlo.convolution(" in line:
             t = tensor_types(line.rsplit(" : ", 1)[1])
             kernel = [d.strip() for d in _KERNEL_DIMS.search(line).group(1).split(",")]
-            out.append({"operands": t[:2], "result": t[2], "kernel_out": kernel.index("o")})
+            dilate = _LHS_DILATE.search(line)
+            out.append({"operands": t[:2], "result": t[2], "kernel_out": kernel.index("o"),
+                        "lhs_dilate": tuple(int(d) for d in dilate.group(1).split(","))
+                        if dilate else (1,)})
     return out
 
 
-def macs(mlir: str) -> int:
+def macs(mlir: str, useful: bool = False) -> int:
     """Multiply-accumulates of the convolutions (|output| x |kernel| / its output features,
-    e.g. I x kh x kw) and the dot products (|output| x contracted width)."""
+    e.g. I x kh x kw) and the dot products (|output| x contracted width). ``useful``: without
+    the zeros a strided convolution's input gradient dilates its cotangent with (a convolution
+    with ``lhs_dilate`` d multiplies a zero in all but 1 / prod(d) of its taps)."""
     total = sum(math.prod(c["result"][0]) * math.prod(c["operands"][1][0])
-                // c["operands"][1][0][c["kernel_out"]] for c in convolutions(mlir))
+                // c["operands"][1][0][c["kernel_out"]]
+                // (math.prod(c["lhs_dilate"]) if useful else 1) for c in convolutions(mlir))
     return total + sum(math.prod(out[0]) * lhs[0][-1]
                        for lhs, _, out in _typed_ops(mlir, "dot_general"))

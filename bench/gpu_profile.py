@@ -1,0 +1,188 @@
+"""Where the bf16 train step's time goes on one device: a profile of each net's step.
+
+For each net, in a process of its own under --limit seconds (a slow compile of one keeps the
+other's result): the recipe ``<net>in_adamdp<N>bf16`` at --batch and --res, compiled as
+bench/gpu_step.py compiles it; --steps steps timed in windows blocked once each; then --traced
+steps traced with ``jax.profiler`` and the trace read back here. Per net, one JSON file
+``profile_<net>.json`` under --out:
+
+  img_per_s, step_ms      the timed windows' median
+  useful_mfu              2 x the useful multiply-accumulates (`twinstep.rendering.stablehlo
+                          .macs`, useful=True) per step / step time / --peak-tflops
+  bandwidth_gb_s          XLA's bytes accessed per step (its cost analysis) / step time
+  categories              ms per step by kind of kernel (`CATEGORIES`: the first whose pattern
+                          an op's HLO name or its kernel's name matches), and their share
+  top                     the --top kernels by time: name, HLO op, category, count, ms per step
+
+On a GPU the kernels are the device plane's events (each names its HLO op); on a machine without
+one the same script is its own CPU twin, reading XLA:CPU's thunks from the host plane (there the
+convolutions are fusions or dots, as XLA:CPU runs them).
+
+    python bench/gpu_profile.py [--nets resnet50 mnv4] [--batch 512] [--res 224] [--steps 20]
+                                [--traced 3] [--limit 250] [--out bench/profile]
+    python bench/gpu_profile.py --batch 4 --res 64 --steps 3 --traced 1   # the CPU twin
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# (category, pattern of an HLO op's name or its kernel's): the first that matches either names
+# it. XLA:GPU names cuDNN's convolutions cudnn-conv (forward, also with a fused bias and
+# activation), cudnn-conv-bw-input and cudnn-conv-bw-filter; cuDNN's kernels say fprop, dgrad
+# and wgrad, also where XLA made the call a fusion.
+CATEGORIES = (
+    ("conv backward-input", r"bw-input|dgrad"),
+    ("conv backward-filter", r"bw-filter|wgrad"),
+    ("conv forward", r"cudnn-conv|fprop|^convolution"),
+    ("gemm", r"gemm|cublas|^dot|triton_gemm"),
+    ("collectives", r"all-reduce|all-gather|reduce-scatter|all-to-all|nccl|collective"),
+    ("copies and pads", r"^(copy|pad|slice|transpose|concatenate|dynamic-slice|"
+                        r"dynamic-update-slice|wrapped_copy)|copy_fusion|transpose_fusion"),
+    ("XLA fusions", r"fusion"),
+)
+AGGREGATE_LINES = ("XLA Modules", "XLA Ops", "Steps", "Launch Stats", "TraceMe")
+
+
+def category(op: str, kernel: str) -> str:
+    """The first `CATEGORIES` entry that a kernel's HLO op's name or its own name matches."""
+    for name, pattern in CATEGORIES:
+        if re.search(pattern, op) or re.search(pattern, kernel):
+            return name
+    return "other"
+
+
+def kernel_events(trace_dir: str) -> list[tuple[str, str, float]]:
+    """(HLO op, kernel name, ns) of every timed kernel in a jax.profiler trace: the events of a
+    GPU's device plane, else of the host plane's XLA threads, that name an HLO op (the
+    aggregate lines, which repeat them, left out)."""
+    import jax
+
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not paths:
+        raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
+    data = jax.profiler.ProfileData.from_file(paths[0])
+    planes = list(data.planes)
+    gpu = [p for p in planes if p.name.startswith("/device:GPU")]
+    out = []
+    for plane in gpu or [p for p in planes if p.name == "/host:CPU"]:
+        for line in plane.lines:
+            if line.name.startswith(AGGREGATE_LINES):
+                continue
+            for event in line.events:
+                op = dict(event.stats).get("hlo_op")
+                if op is not None:
+                    out.append((str(op), event.name, float(event.duration_ns)))
+    return out
+
+
+def summarise(events, steps: int, top: int) -> dict:
+    """{"categories": {name: {"ms_per_step", "share"}}, "top": [...]} of ``steps`` traced
+    steps' `kernel_events`."""
+    by_category = collections.Counter()
+    by_kernel = collections.defaultdict(lambda: [0, 0.0])
+    for op, kernel, ns in events:
+        by_category[category(op, kernel)] += ns
+        key = (kernel, re.sub(r"\.\d+$", "", op))
+        by_kernel[key][0] += 1
+        by_kernel[key][1] += ns
+    total = sum(by_category.values()) or 1.0
+    cats = {name: {"ms_per_step": ns / steps / 1e6, "share": ns / total}
+            for name, ns in by_category.most_common()}
+    ranked = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernel_ms_per_step": total / steps / 1e6, "categories": cats,
+            "top": [{"kernel": k[:160], "op": op, "category": category(op, k),
+                     "count_per_step": n / steps, "ms_per_step": ns / steps / 1e6}
+                    for (k, op), (n, ns) in ranked]}
+
+
+def profile_net(net_name: str, args) -> dict:
+    """One net's profile (the module docstring's fields), in this process."""
+    import jax
+    from gpu_step import build, time_steps
+
+    t0 = time.perf_counter()
+    compiled, call_args, macs = build(net_name, args.batch, args.res, args.classes)
+    compile_s = time.perf_counter() - t0
+    times, call_args = time_steps(compiled, call_args, args.steps)
+    step_s = statistics.median(times)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    trace = tempfile.mkdtemp(prefix="twinstep-trace-")
+    state, xs, ts, key = call_args
+    jax.profiler.start_trace(trace)
+    for _ in range(args.traced):
+        state, metrics = compiled(state, xs, ts, key)
+    jax.block_until_ready((state, metrics))
+    jax.profiler.stop_trace()
+    out = {"net": net_name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "batch": args.batch, "res": args.res, "compile_s": compile_s,
+           "step_ms": step_s * 1e3, "img_per_s": args.batch / step_s,
+           "useful_mfu": 2 * macs["useful_macs"] / step_s / (args.peak_tflops * 1e12),
+           "useful_gflop_per_image": 2 * macs["useful_macs"] / args.batch / 1e9,
+           "gflop_per_image_with_dilated_zeros": 2 * macs["macs"] / args.batch / 1e9,
+           "bandwidth_gb_s": float(cost.get("bytes accessed", 0.0)) / step_s / 1e9,
+           **summarise(kernel_events(trace), args.traced, args.top)}
+    if args.keep_trace:
+        out["trace"] = trace
+    return out
+
+
+def print_profile(p: dict) -> None:
+    print(f"{p['net']}: batch {p['batch']} at {p['res']}² on {p['device']}: "
+          f"{p['img_per_s']:,.0f} img/s, {p['step_ms']:.1f} ms/step, useful MFU "
+          f"{p['useful_mfu']:.1%}, {p['bandwidth_gb_s']:,.0f} GB/s; kernels "
+          f"{p['kernel_ms_per_step']:.1f} ms/step", flush=True)
+    for name, c in p["categories"].items():
+        print(f"  {name:22s} {c['ms_per_step']:9.2f} ms/step {c['share']:6.1%}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nets", nargs="+", default=["resnet50", "mnv4"])
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--res", type=int, default=224)
+    p.add_argument("--classes", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=20, help="timed steps, in 3 windows")
+    p.add_argument("--traced", type=int, default=3, help="steps traced by the profiler")
+    p.add_argument("--top", type=int, default=40, help="kernels listed by time")
+    p.add_argument("--limit", type=int, default=250, help="seconds each net may take")
+    p.add_argument("--peak-tflops", type=float, default=989.4,
+                   help="the device's dense bf16 peak, for MFU (default: H200's)")
+    p.add_argument("--keep-trace", action="store_true", help="keep the profiler's trace")
+    p.add_argument("--out", type=Path, default=Path(__file__).with_name("profile"))
+    p.add_argument("--one", help=argparse.SUPPRESS)  # the net this process profiles
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        profile = profile_net(args.one, args)
+        (args.out / f"profile_{args.one}.json").write_text(json.dumps(profile, indent=1))
+        print_profile(profile)
+        return 0
+    failed = 0
+    for net_name in args.nets:
+        cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
+               "--one", net_name]
+        try:
+            failed += subprocess.run(cmd, timeout=args.limit).returncode != 0
+        except subprocess.TimeoutExpired:
+            print(f"{net_name}: cut at {args.limit} s", flush=True)
+            failed += 1
+    return 3 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
