@@ -129,7 +129,7 @@ if [[ $parts == *" profile "* ]]; then
     mkdir -p bench/autotune
     XLA_FLAGS="$XLA_FLAGS --xla_gpu_per_fusion_autotune_cache_dir=$PWD/bench/autotune" \
         timeout 540 "$PY" bench/gpu_profile.py --nets "${nets[@]}" --out "$out/profile" \
-        --limit 260
+        --limit 260 --ab
     profile=$?
 fi
 echo "gpu.sh:${parts}: gpu_step exit $step, gpu_bf16_hlo exit $bf16, gpu_train exit $train," \

@@ -13,6 +13,10 @@ steps traced with ``jax.profiler`` and the trace read back here. Per net, one JS
   categories              ms per step by kind of kernel (`CATEGORIES`: the first whose pattern
                           an op's HLO name or its kernel's name matches), and their share
   top                     the --top kernels by time: name, HLO op, category, count, ms per step
+  ab                      with --ab, each lever (`LEVERS`: a `twinstep.program.Setup` field)
+                          against the default, windows interleaved: its step_ms and speedup
+                          (the default's step time over the lever's), written once the
+                          profile is
 
 On a GPU the kernels are the device plane's events (each names its HLO op); on a machine without
 one the same script is its own CPU twin, reading XLA:CPU's thunks from the host plane (there the
@@ -55,6 +59,8 @@ CATEGORIES = (
     ("XLA fusions", r"fusion"),
 )
 AGGREGATE_LINES = ("XLA Modules", "XLA Ops", "Steps", "Launch Stats", "TraceMe")
+# the levers --ab times against the default: {name: gpu_step.build keyword arguments}
+LEVERS = {"crop_unread=False": {"crop_unread": False}}
 
 
 def category(op: str, kernel: str) -> str:
@@ -109,8 +115,9 @@ def summarise(events, steps: int, top: int) -> dict:
                     for (k, op), (n, ns) in ranked]}
 
 
-def profile_net(net_name: str, args) -> dict:
-    """One net's profile (the module docstring's fields), in this process."""
+def profile_net(net_name: str, args, write) -> dict:
+    """One net's profile (the module docstring's fields), in this process; ``write(profile)``
+    after the profile and again after each lever's A/B."""
     import jax
     from gpu_step import build, time_steps
 
@@ -128,6 +135,7 @@ def profile_net(net_name: str, args) -> dict:
         state, metrics = compiled(state, xs, ts, key)
     jax.block_until_ready((state, metrics))
     jax.profiler.stop_trace()
+    call_args = (state, xs, ts, key)  # the traced steps donated the state before them
     out = {"net": net_name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "batch": args.batch, "res": args.res, "compile_s": compile_s,
            "step_ms": step_s * 1e3, "img_per_s": args.batch / step_s,
@@ -138,7 +146,33 @@ def profile_net(net_name: str, args) -> dict:
            **summarise(kernel_events(trace), args.traced, args.top)}
     if args.keep_trace:
         out["trace"] = trace
+    write(out)
+    if args.ab:
+        out["ab"] = {}
+        for lever, kwargs in LEVERS.items():
+            out["ab"][lever] = lever_ab(net_name, args, compiled, call_args, kwargs)
+            write(out)
     return out
+
+
+def lever_ab(net_name: str, args, compiled, call_args, kwargs) -> dict:
+    """The step built with ``kwargs`` against ``compiled`` (the default's), each timed in
+    windows of --steps // 3 steps, interleaved, three of each: medians."""
+    from gpu_step import build, time_steps
+
+    other, other_args, _ = build(net_name, args.batch, args.res, args.classes, **kwargs)
+    times: dict = {"default": [], "lever": []}
+    for _ in range(3):
+        for name, fn in (("default", compiled), ("lever", other)):
+            got, stepped = time_steps(fn, call_args if name == "default" else other_args,
+                                      args.steps, windows=1)
+            times[name] += got
+            if name == "default":
+                call_args = stepped
+            else:
+                other_args = stepped
+    default, lever = (statistics.median(times[k]) for k in ("default", "lever"))
+    return {"step_ms": lever * 1e3, "default_step_ms": default * 1e3, "speedup": default / lever}
 
 
 def print_profile(p: dict) -> None:
@@ -148,6 +182,9 @@ def print_profile(p: dict) -> None:
           f"{p['kernel_ms_per_step']:.1f} ms/step", flush=True)
     for name, c in p["categories"].items():
         print(f"  {name:22s} {c['ms_per_step']:9.2f} ms/step {c['share']:6.1%}", flush=True)
+    for lever, r in p.get("ab", {}).items():
+        print(f"  A/B {lever}: {r['step_ms']:.1f} against {r['default_step_ms']:.1f} ms/step, "
+              f"speedup {r['speedup']:.3f}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -163,13 +200,16 @@ def main(argv=None) -> int:
     p.add_argument("--peak-tflops", type=float, default=989.4,
                    help="the device's dense bf16 peak, for MFU (default: H200's)")
     p.add_argument("--keep-trace", action="store_true", help="keep the profiler's trace")
+    p.add_argument("--ab", action="store_true",
+                   help=f"also time each lever against the default ({', '.join(LEVERS)})")
     p.add_argument("--out", type=Path, default=Path(__file__).with_name("profile"))
     p.add_argument("--one", help=argparse.SUPPRESS)  # the net this process profiles
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
-        profile = profile_net(args.one, args)
-        (args.out / f"profile_{args.one}.json").write_text(json.dumps(profile, indent=1))
+        path = args.out / f"profile_{args.one}.json"
+        profile = profile_net(args.one, args,
+                              lambda p: path.write_text(json.dumps(p, indent=1)))
         print_profile(profile)
         return 0
     failed = 0

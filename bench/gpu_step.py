@@ -48,13 +48,15 @@ H200_BF16_TFLOPS = 989.4
 GOALS = {"resnet50": 8000, "mnv4": 15000}  # img/s on one H200 (issue 16)
 
 
-def build(net_name: str, batch: int, res: int, classes: int, options: dict | None = None):
+def build(net_name: str, batch: int, res: int, classes: int, options: dict | None = None,
+          crop_unread: bool = True):
     """(compiled step, its arguments, {"macs", "useful_macs"} per step) at ``batch`` examples
-    of ``res``²; ``options``: XLA compiler options for this compile only."""
+    of ``res``²; ``options``: XLA compiler options for this compile only; ``crop_unread``:
+    `twinstep.program.Setup`'s."""
     recipe = dataclasses.replace(recipes.parse(f"{net_name}in_adamdpbf16"), batch=batch)
     net = get_net(net_name)
-    made = program.train_program(net, recipe, program.Setup(precision="bf16"), classes=classes,
-                                 donate=True)
+    setup = program.Setup(precision="bf16", crop_unread=crop_unread)
+    made = program.train_program(net, recipe, setup, classes=classes, donate=True)
     shapes = net.param_shapes(classes)
     params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
                                 linear=net.LINEAR_INIT)

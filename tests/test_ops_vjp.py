@@ -121,3 +121,39 @@ def test_the_checks_can_fail(rng):
                         case.batch, case.masks, case.params)
     assert not oracle.check_vjp(wrong, rng).ok
     assert not oracle.check_fd(wrong, rng).ok
+
+
+@pytest.mark.parametrize("depthwise", [False, True])
+def test_uncropped_padding_is_the_same_forward(depthwise):
+    """A strided convolution padded p on both sides (`Setup.crop_unread` False, the GPU lever)
+    gives the cropped forward's output bit for bit, f64 and bf16, where a padded row goes
+    unread (H = 10 at k = 3, s = 2; H = 9 reads every row); its VJPs are the same functions of
+    the same residuals. Control: the two programs differ in their padding exactly where a row
+    goes unread, so the switch is not a no-op; and a net's program takes it."""
+    from twinstep import program
+    from twinstep.nets import get_net
+    from twinstep.ops import conv
+    from twinstep.ops.precision import BF16, F64
+    from twinstep.processes import settings
+
+    rng = np.random.default_rng(0)
+    forward = conv.depthwise_forward if depthwise else conv.conv2d_forward
+    path = "grouped" if depthwise else "conv"
+    for h, precision in ((9, F64), (10, F64), (10, BF16)):
+        x = jnp.asarray(rng.standard_normal((2, h, h, 4)), precision.dtype)
+        w = jnp.asarray(rng.standard_normal((4, 1 if depthwise else 4, 3, 3)), precision.dtype)
+
+        def run(crop, x=x, w=w, precision=precision):
+            return jax.jit(lambda x, w: forward(x, w, 2, precision, path, crop_unread=crop)[0])
+
+        with settings.jax_settings(jax_enable_x64=precision is F64):
+            assert np.array_equal(run(True)(x, w), run(False)(x, w))
+            texts = [run(crop).lower(x, w).as_text() for crop in (True, False)]
+        assert (texts[0] != texts[1]) == (h % 2 == 0)  # control: only an unread row differs
+    net = get_net("mnv4")
+    p, b = program.abstract_params(net, 10, jnp.float32)
+    x = jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.float32)
+    texts = [program.eval_program(net, program.Setup(depthwise_path="grouped", dense_path="conv",
+                                                     crop_unread=crop)).lower(p, b, x).as_text()
+             for crop in (True, False)]
+    assert texts[0] != texts[1]  # control: the switch reaches the net's convolutions

@@ -40,13 +40,15 @@ class Setup(NamedTuple):
     """Where and how a step program runs, one value for every factory: on ``replicas``
     replicas (R), at ``precision`` (`twinstep.ops.precision`), with a negative ``control``
     (`twinstep.collectives.CONTROLS`), by the conv paths ``depthwise_path`` and ``dense_path``
-    (None: the platform's, `twinstep.ops.conv`)."""
+    (None: the platform's), strided convolutions cropping their unread padding or not
+    (``crop_unread``: the same values; IREE compiles only the crop; `twinstep.ops.conv`)."""
 
     replicas: int = 1
     precision: str | Precision = "f32"
     control: str = "none"
     depthwise_path: str | None = None
     dense_path: str | None = None
+    crop_unread: bool = True
 
     def single(self) -> Setup:
         """The single device this setup is tied to: R = 1, no control."""
@@ -58,7 +60,8 @@ class Setup(NamedTuple):
         single = self.replicas == 1 and self.control == "none"
         rep = SINGLE if single else dp.replicas(self.replicas, self.control)
         return layers.Ctx(rep, get_precision(self.precision), train=train,
-                          depthwise_path=self.depthwise_path, dense_path=self.dense_path)
+                          depthwise_path=self.depthwise_path, dense_path=self.dense_path,
+                          crop_unread=self.crop_unread)
 
 
 ONE_DEVICE = Setup()  # the factories' default: one device, f32, the platform's conv paths

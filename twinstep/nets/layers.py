@@ -23,14 +23,15 @@ from twinstep.ops.precision import F32, Precision
 @dataclasses.dataclass(frozen=True)
 class Ctx:
     """What a forward runs in: replicas (BN sync), precision policy, train (batch statistics)
-    or eval (running statistics), and the dense and depthwise conv paths (None: the platform's
-    defaults, `twinstep.ops.conv`)."""
+    or eval (running statistics), the dense and depthwise conv paths (None: the platform's
+    defaults) and whether a strided convolution crops its unread padding (`twinstep.ops.conv`)."""
 
     replicas: Replicas = SINGLE
     precision: Precision = F32
     train: bool = True
     depthwise_path: str | None = None
     dense_path: str | None = None
+    crop_unread: bool = True
 
 
 class ConvBN(NamedTuple):
@@ -54,9 +55,11 @@ def conv_bn_forward(params, buffers, names: ConvBN, x, *, stride: int, ctx: Ctx,
     In train mode the BN's batch statistics are recorded in ``stats[names.bn]``."""
     w = params[names.conv + ".weight"]
     if depthwise:
-        y, conv_res = conv.depthwise_forward(x, w, stride, ctx.precision, ctx.depthwise_path)
+        y, conv_res = conv.depthwise_forward(x, w, stride, ctx.precision, ctx.depthwise_path,
+                                             crop_unread=ctx.crop_unread)
     else:
-        y, conv_res = conv.conv2d_forward(x, w, stride, ctx.precision, ctx.dense_path)
+        y, conv_res = conv.conv2d_forward(x, w, stride, ctx.precision, ctx.dense_path,
+                                          crop_unread=ctx.crop_unread)
     gamma, beta = params[names.bn + ".weight"], params[names.bn + ".bias"]
     if ctx.train:
         y, bn_res, bn_stats = batchnorm.bn_train_forward(y, gamma, beta, ctx.replicas)

@@ -7,7 +7,9 @@ Output size: Ho = (H + 2p - k) // s + 1. When the stride does not tile the padde
 the last ``r = H + 2p - k - (Ho - 1) s`` padded rows are read by no window; both VJPs account for
 them (their input gradient is zero), and the forward crops them from its high padding: the same
 output, bitwise, on XLA, and the only form IREE's llvm-cpu backend compiles
-(tests/test_iree.py::test_iree_conv_with_unread_padding).
+(tests/test_iree.py::test_iree_conv_with_unread_padding). ``crop_unread=False`` pads p on both
+sides instead, the form cuDNN takes as it is, where the crop may cost XLA:GPU a padded copy
+(measured by `bash bench/gpu.sh profile`'s A/B, docs/speed.md#gpu).
 
 Each kind has two paths, equal up to summation order, and a platform default (bench/probes/
 measures both): on XLA:CPU the form that runs fast there, elsewhere one XLA convolution.
@@ -92,11 +94,13 @@ def default_dense_path(platform: str | None = None) -> str:
     return "matmul" if _on_cpu(platform) else "conv"
 
 
-def conv2d_forward(x, w, stride: int = 1, precision: Precision = F32, path: str | None = None):
-    """y [N, Ho, Wo, Co] = conv(x [N, H, W, Ci], w [Co, Ci, k, k]); returns (y, ConvRes)."""
+def conv2d_forward(x, w, stride: int = 1, precision: Precision = F32, path: str | None = None,
+                   *, crop_unread: bool = True):
+    """y [N, Ho, Wo, Co] = conv(x [N, H, W, Ci], w [Co, Ci, k, k]); returns (y, ConvRes).
+    ``crop_unread``: the ``conv`` path's padding (module docstring)."""
     path = path or default_dense_path()
     if path == "conv":
-        return _grouped_forward(x, w, stride, precision, groups=1)
+        return _grouped_forward(x, w, stride, precision, groups=1, crop_unread=crop_unread)
     if path != "matmul":
         raise ValueError(f"unknown dense conv path {path!r}; choose 'conv' or 'matmul'")
     xc, wc = round_to(x, precision.conv_dtype), round_to(w, precision.conv_dtype)
@@ -159,7 +163,7 @@ def _dot(lhs, rhs, contract, precision: Precision):
 CANONICAL = ("NHWC", "HWIO", "NHWC")
 
 
-def _grouped_forward(x, w, stride, precision, groups):
+def _grouped_forward(x, w, stride, precision, groups, crop_unread=True):
     p = conv_padding(w.shape[2])
     cd = precision.conv_dtype
     xc, wc = round_to(x, cd), round_to(w, cd)
@@ -167,7 +171,8 @@ def _grouped_forward(x, w, stride, precision, groups):
         rhs, dims = jnp.transpose(wc, (2, 3, 1, 0)), CANONICAL
     else:
         rhs, dims = wc, ("NHWC", "OIHW", "NHWC")
-    pads = [(p, p - _unread(x.shape[d], w.shape[2], stride)) for d in (1, 2)]
+    pads = [(p, p - (_unread(x.shape[d], w.shape[2], stride) if crop_unread else 0))
+            for d in (1, 2)]
     y = _conv(xc, rhs, precision, dims, window_strides=(stride, stride), padding=pads,
               feature_group_count=groups)
     path = "conv" if groups == 1 else "grouped"
@@ -217,11 +222,14 @@ def default_depthwise_path(platform: str | None = None) -> str:
     return "shift" if _on_cpu(platform) else "grouped"
 
 
-def depthwise_forward(x, w, stride: int = 1, precision: Precision = F32, path: str | None = None):
-    """y [N, Ho, Wo, C] = depthwise conv(x [N, H, W, C], w [C, 1, k, k]); returns (y, ConvRes)."""
+def depthwise_forward(x, w, stride: int = 1, precision: Precision = F32, path: str | None = None,
+                      *, crop_unread: bool = True):
+    """y [N, Ho, Wo, C] = depthwise conv(x [N, H, W, C], w [C, 1, k, k]); returns (y, ConvRes).
+    ``crop_unread``: the ``grouped`` path's padding (module docstring)."""
     path = path or default_depthwise_path()
     if path == "grouped":
-        return _grouped_forward(x, w, stride, precision, groups=x.shape[-1])
+        return _grouped_forward(x, w, stride, precision, groups=x.shape[-1],
+                                crop_unread=crop_unread)
     if path != "shift":
         raise ValueError(f"unknown depthwise path {path!r}; choose 'shift' or 'grouped'")
     cd = precision.conv_dtype
