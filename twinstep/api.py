@@ -77,8 +77,8 @@ def tie(net: str = "resnet50", progress=None, **config):
     """Tie one gradient step: R replicas of N against one device at R N, every parameter
     gradient, BN statistic, the loss and the running statistics. ``config``: the fields of
     `twinstep.checking.tie.TieConfig`, by keyword (each a `twinstep tie` flag: docs/tie.md).
-    Returns a `twinstep.checking.tie.TieReport` (``.ok``,
-    ``.verdict()``, ``.to_json()``); ``progress(text)`` is told what runs now."""
+    Returns a `twinstep.checking.tie.TieReport` (``.ok``, ``.verdict()``, ``.to_json()``);
+    ``progress(text)`` is told what runs now."""
     from twinstep.checking.tie import TieConfig, run_tie
 
     cfg = TieConfig(net=net, **config)

@@ -105,6 +105,11 @@ class TieConfig:
     def parsed_recipe(self) -> recipes.Recipe:
         return recipes.parse(self.recipe)
 
+    def setup(self, prec: Precision) -> program.Setup:
+        """The replica side's `twinstep.program.Setup` at ``prec``; ``.single()`` is the
+        single device it is tied to."""
+        return program.Setup(self.replicas, prec, self.control)
+
 
 def _check_steps_config(cfg: TieConfig, recipe) -> None:
     """What whole-step ties of ``recipe`` cannot do (UsageError, one line)."""
@@ -126,15 +131,15 @@ def _check_steps_config(cfg: TieConfig, recipe) -> None:
 
 def single_program(net, cfg: TieConfig, prec: Precision):
     """The single-device gradient step at the global batch R N."""
-    return _grad_program(net, program.Setup(precision=prec), loss=cfg.loss, collective=True,
+    return _grad_program(net, cfg.setup(prec).single(), loss=cfg.loss, collective=True,
                          per_replica=False, fast_compile=cfg.fast_compile)
 
 
 def replica_program(net, cfg: TieConfig, prec: Precision, collective: bool = True):
     """The replica step; per-replica outputs (statistics, buffers, and without the collective the
     gradients) come back stacked along a leading replica axis, to check they agree."""
-    return _grad_program(net, program.Setup(cfg.replicas, prec, cfg.control), loss=cfg.loss,
-                         collective=collective, per_replica=True, fast_compile=cfg.fast_compile)
+    return _grad_program(net, cfg.setup(prec), loss=cfg.loss, collective=collective,
+                         per_replica=True, fast_compile=cfg.fast_compile)
 
 
 # Ties ask for the same programs again (other seeds, shifts, the tests): one compile each.

@@ -131,7 +131,7 @@ def train_programs(net, recipe, cfg: TieConfig, prec: Precision) -> tuple:
     """(single-device at R N, R-replica) `program.TrainProgram`s of the recipe; each step
     donates the state it steps."""
     kw = {"classes": cfg.classes, "donate": True, "fast_compile": cfg.fast_compile}
-    setup = program.Setup(cfg.replicas, prec, cfg.control)
+    setup = cfg.setup(prec)
     return (program.train_program(net, recipe, setup.single(), **kw),
             program.train_program(net, recipe, setup, **kw))
 

@@ -324,16 +324,14 @@ class Device:
     def _decoded(self, split, i: int, make):
         """(make(bytes, size, code stream or None), index used, skipped): the first image from
         i on that decodes, as the Pillow path replaces one that does not."""
-        for tried in range(len(split)):
-            j = (i + tried) % len(split)
-            data = split.encoded(j)
-            header = self._header(data)
-            if header is None:
-                continue
+        tried = 0
+        while tried < len(split):
+            j, skipped, data, size, stream = self._with_header(split, i + tried)
+            tried += skipped
             try:
-                return make(data, *header), j, tried
+                return make(data, size, stream), j, tried
             except Undecodable:
-                continue
+                tried += 1
         raise UsageError(f"no image of {len(split)} in this split decodes")
 
     def _with_header(self, split, i: int):
