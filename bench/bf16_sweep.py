@@ -8,7 +8,10 @@ holds the same matrix (tests/test_tie.py::test_bf16_sweep, ::test_bf16_controls_
                bf16 bound's norm (docs/tie.md#bf16): near 1 the programs differ by the
                partial-sum boundary itself, as they must
 
-    python bench/bf16_sweep.py [--replicas 2 4 8] [--batches 1 2 3]
+With --gpu-levers both programs take a GPU's levers (`twinstep.program.GPU_LEVERS`: symmetric
+padding, one-pass BN moments) and the table goes to "bf16 tie sweep, a GPU's levers".
+
+    python bench/bf16_sweep.py [--replicas 2 4 8] [--batches 1 2 3] [--gpu-levers]
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ NETS = ("resnet50", "mnv4")
 CONTROLS = ("divisor-plus-one", "unsynced")
 
 
-def _one_r(replicas: int, cases: list) -> list:
+def _one_r(replicas: int, cases: list, gpu_levers: bool) -> list:
     """Run ``cases`` [(net, N, res, control)] at R = ``replicas`` in this process."""
     import jax
 
@@ -37,7 +40,7 @@ def _one_r(replicas: int, cases: list) -> list:
     rows = []
     for net, batch, res, control in cases:
         r = twinstep.tie(net, replicas=replicas, batch=batch, res=res, precision="bf16",
-                         control=control, fast_compile=net == "mnv4")
+                         control=control, fast_compile=net == "mnv4", gpu_levers=gpu_levers)
         convs = [p for p in r.parameters if len(p["shape"]) == 4]
         rows.append({"net": net, "R": replicas, "N": batch, "res": res, "control": control,
                      "status": r.status, "ok": sum(p["ok"] for p in r.parameters),
@@ -51,6 +54,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--gpu-levers", action="store_true", help="tie with a GPU's levers")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: one R
     args = p.parse_args()
     if args.one is not None:
@@ -58,12 +62,13 @@ def main() -> None:
         if args.one == 2:
             cases += [(net, 2, 64, "none") for net in NETS]
             cases += [(net, 2, 32, c) for net in NETS for c in CONTROLS]
-        _one_r(args.one, cases)
+        _one_r(args.one, cases, args.gpu_levers)
         return
     rows = []
     for replicas in args.replicas:
         out = subprocess.run([sys.executable, __file__, "--one", str(replicas), "--batches",
-                              *map(str, args.batches)], capture_output=True, text=True,
+                              *map(str, args.batches), *(["--gpu-levers"] * args.gpu_levers)],
+                             capture_output=True, text=True,
                              check=True).stdout
         rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     lines = ["| net | R | N | res | control | verdict | tensors within | worst conv |",
@@ -73,9 +78,11 @@ def main() -> None:
                      f"**{r['status']}** | {r['ok']}/{r['tensors']} | {r['worst']:.2f} |")
     ties = [r for r in rows if r["control"] == "none"]
     controls = [r for r in rows if r["control"] != "none"]
-    write_results(RESULTS, "bf16 tie sweep",
-                  "`twinstep tie NET --precision bf16` (random-bn state, seed 0, K = 10) for "
-                  "both nets across R and N, and the subtle controls at R = 2, N = 2.",
+    levers = ", a GPU's levers" if args.gpu_levers else ""
+    write_results(RESULTS, "bf16 tie sweep" + levers,
+                  f"`twinstep tie NET --precision bf16{' --gpu-levers' * args.gpu_levers}` "
+                  f"(random-bn state, seed 0, K = 10) for both nets across R and N, and the "
+                  f"subtle controls at R = 2, N = 2.",
                   "python bench/bf16_sweep.py " + " ".join(sys.argv[1:]), "\n".join(lines),
                   f"{sum(r['status'] == 'tied' for r in ties)} of {len(ties)} ties hold; "
                   f"{sum(r['status'] == 'NOT tied' for r in controls)} of {len(controls)} "

@@ -157,3 +157,37 @@ def test_uncropped_padding_is_the_same_forward(depthwise):
                                                      crop_unread=crop)).lower(p, b, x).as_text()
              for crop in (True, False)]
     assert texts[0] != texts[1]  # control: the switch reaches the net's convolutions
+
+
+def test_a_gpu_takes_its_levers_and_every_other_platform_the_others():
+    """A Setup that leaves the levers None takes the platform's (docs/precision.md#gpu-levers):
+    a GPU's (jax's gpu, jax.export's cuda and rocm) pad both sides and take one-pass BN moments,
+    this CPU's crop and take two-pass; one-pass moments equal two-pass in f64 to rounding, and
+    an unknown kind is refused. Control: the two moments' programs differ, so the lever is not
+    a no-op."""
+    from twinstep import program
+    from twinstep.checking import tie
+    from twinstep.ops import batchnorm
+    from twinstep.ops.precision import BF16
+
+    for gpu in ("gpu", "cuda", "rocm"):
+        assert program.platform_levers(gpu) == program.GPU_LEVERS
+    assert program.platform_levers() == program.platform_levers("cpu") == program.CPU_LEVERS
+    assert program.GPU_LEVERS.keys() == program.CPU_LEVERS.keys()
+    assert all(program.GPU_LEVERS[k] != program.CPU_LEVERS[k] for k in program.GPU_LEVERS)
+    ctx = program.Setup().context()
+    assert (ctx.crop_unread, ctx.bn_moments) == (True, "two-pass")
+    ctx = program.Setup(**program.GPU_LEVERS).context()
+    assert (ctx.crop_unread, ctx.bn_moments) == (False, "one-pass")
+    for gpu_levers, want in ((True, program.GPU_LEVERS), (False, program.CPU_LEVERS)):
+        setup = tie.TieConfig(gpu_levers=gpu_levers).setup(BF16)  # `twinstep tie --gpu-levers`
+        for ctx in (setup.context(), setup.single().context()):
+            assert {k: getattr(ctx, k) for k in want} == want
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 3, 3, 5)) * 3 + 2)
+    two, one = (jax.jit(lambda x, m=m: batchnorm.bn_forward_site(x, moments=m)) for m in
+                batchnorm.MOMENTS)
+    np.testing.assert_allclose(one(x).var, two(x).var, rtol=1e-13)
+    np.testing.assert_array_equal(one(x).mean, two(x).mean)
+    assert one.lower(x).as_text() != two.lower(x).as_text()  # control
+    with pytest.raises(ValueError, match="unknown BN moments"):
+        batchnorm.bn_forward_site(x, moments="three-pass")

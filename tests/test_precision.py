@@ -85,3 +85,49 @@ def test_bf16_results_are_rounded_and_close(depthwise, path, rng):
 def test_unknown_precision_is_rejected():
     with pytest.raises(ValueError, match="unknown precision"):
         get_precision("fp8")
+
+
+def _bn_inputs(net_name: str) -> list:
+    """Every BN input [N, H, W, C] of a float64 forward (random-bn state, 4 rows of 32²)."""
+    from twinstep import program
+    from twinstep.checking import inputs, tie
+    from twinstep.nets import get_net
+    from twinstep.ops import batchnorm
+
+    net = get_net(net_name)
+    cfg = tie.TieConfig(net_name, replicas=1, batch=4, precision="f64")
+    params, buffers, x, _ = inputs.setup(cfg, net)
+    ctx = program.Setup(precision="f64").context()
+    def bn_xs(p, b, x):
+        tape = net.forward(p, b, x, ctx)[1]
+        is_bn = lambda a: isinstance(a, batchnorm.BNRes)  # noqa: E731
+        return [r.x for r in jax.tree.leaves(tape, is_leaf=is_bn) if is_bn(r)]
+
+    return jax.jit(bn_xs)(params, buffers, x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("net_name", ["resnet50", "mnv4"])
+def test_one_pass_moments_in_f32_round_far_below_bf16(net_name):
+    """The GPU's one-pass BN moments (docs/precision.md#gpu-levers) in float32 on every BN input
+    of a net: the variance's relative error against float64 two-pass stays under 2^-10, so the
+    BN output's (half of it, through rstd) under an eighth of bf16's unit roundoff 2^-8, which
+    the convolution feeding the BN already carries. Seen: ResNet-50 2.3e-4 (its inputs' channel
+    means reach 44 standard deviations), MobileNetV4 2.9e-5; two-pass 2.1e-6, 4.5e-7. Control:
+    the same inputs with each channel's mean moved to 300 standard deviations, where
+    E[x^2] - E[x]^2 cancels, must break the bound (seen: 3.8e-2, 4.1e-2)."""
+    from twinstep.ops.batchnorm import _shard_moments
+
+    def worst(xs):
+        errs = []
+        for x in xs:
+            truth = _shard_moments(x)[1]
+            one = _shard_moments(x.astype(jnp.float32), "one-pass")[1]
+            errs.append(float(jnp.max(jnp.abs(one - truth) / truth)))
+        return max(errs)
+
+    xs = _bn_inputs(net_name)
+    assert len(xs) == {"resnet50": 53, "mnv4": 77}[net_name]
+    assert worst(xs) < 2.0**-10
+    shifted = [x + 300 * jnp.sqrt(_shard_moments(x)[1]) for x in xs]
+    assert worst(shifted) > 2.0**-10

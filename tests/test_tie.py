@@ -221,9 +221,11 @@ def test_bf16_ties_at_the_partial_sum_boundary(net, replicas):
     """bf16 (inputs.tie_precision): every conv weight gradient within the bf16 boundary
     (docs/tie.md#bf16) elementwise, and that boundary is what separates the two programs — the
     error is of its size, not far below it; everything else ties at the f64 bounds; a control
-    still fails. MNv4 at R = 2 holds a structural zero (a channel of blocks.3.7 exactly 0 on
-    the single device, rounding noise on the replicas), which the bound once took for a bug."""
-    r = run(net=net, precision="bf16", replicas=replicas)
+    still fails. Both programs take a GPU's levers (docs/precision.md#gpu-levers), as bf16 runs
+    on a GPU; this machine's take them in test-all's sweep. MNv4 at R = 2 holds a structural
+    zero (a channel of blocks.3.7 exactly 0 on the single device, rounding noise on the
+    replicas), which the bound once took for a bug."""
+    r = run(net=net, precision="bf16", replicas=replicas, gpu_levers=True)
     assert_tied(r)
     convs = [p for p in r.parameters if len(p["shape"]) == 4]
     assert convs and all(p["bound_kind"].startswith("bf16 partial-sum") for p in convs)
@@ -234,7 +236,8 @@ def test_bf16_ties_at_the_partial_sum_boundary(net, replicas):
         # divisor-plus-one (every gradient off by 1/(R(N+1)) = 8%) leaves the forward alone, so
         # the BN statistics cannot see it (unlike unsynced, caught by them whatever the conv
         # bound says): every conv weight gradient must fail its elementwise bf16 bound
-        broken = run(net=net, precision="bf16", replicas=replicas, control="divisor-plus-one")
+        broken = run(net=net, precision="bf16", replicas=replicas, control="divisor-plus-one",
+                     gpu_levers=True)
         assert broken.status == "NOT tied"
         assert all(b["ok"] for b in broken.bn_sites) and broken.replicas_agree
         failing = [p for p in broken.parameters if not p["ok"]]
@@ -252,19 +255,24 @@ def test_bf16_ties_at_the_partial_sum_boundary(net, replicas):
 @pytest.mark.parametrize("net", ["resnet50", "mnv4"])
 @pytest.mark.parametrize("replicas, batch, res", [*((r, n, 32) for r in (2, 4, 8)
                                                      for n in (1, 2, 3)), (2, 2, 64)])
-def test_bf16_sweep(net, replicas, batch, res):
-    """bf16 ties across R x N (and 64² at R = 2): no false alarm anywhere (docs/tie.md#bf16)."""
-    assert_tied(run(net=net, precision="bf16", replicas=replicas, batch=batch, res=res))
+@pytest.mark.parametrize("gpu_levers", [False, True])
+def test_bf16_sweep(net, replicas, batch, res, gpu_levers):
+    """bf16 ties across R x N (and 64² at R = 2), with this machine's levers and a GPU's: no
+    false alarm anywhere (docs/tie.md#bf16)."""
+    assert_tied(run(net=net, precision="bf16", replicas=replicas, batch=batch, res=res,
+                    gpu_levers=gpu_levers))
 
 
 @pytest.mark.slow
 @pytest.mark.all
 @pytest.mark.parametrize("net", ["resnet50", "mnv4"])
 @pytest.mark.parametrize("control", ["divisor-plus-one", "unsynced"])
-def test_bf16_controls_fail(net, control):
+@pytest.mark.parametrize("gpu_levers", [False, True])
+def test_bf16_controls_fail(net, control, gpu_levers):
     """The bf16 bound, with its allowance for structural zeros, still sees the subtle controls
-    at R = 2."""
-    assert run(net=net, precision="bf16", replicas=2, control=control).status == "NOT tied"
+    at R = 2, with either platform's levers."""
+    r = run(net=net, precision="bf16", replicas=2, control=control, gpu_levers=gpu_levers)
+    assert r.status == "NOT tied"
 
 
 @pytest.mark.slow

@@ -35,20 +35,35 @@ from twinstep.nets import Net, layers
 from twinstep.ops.precision import Precision, get_precision
 from twinstep.processes import cluster, settings
 
+# What a GPU's programs take where a Setup leaves a lever None, each faster there in one A/B run
+# and tied in bf16 (docs/precision.md#gpu-levers); every other platform takes the other value.
+GPU_LEVERS = {"crop_unread": False, "bn_moments": "one-pass"}
+CPU_LEVERS = {"crop_unread": True, "bn_moments": "two-pass"}
+
+
+def platform_levers(platform: str | None = None) -> dict:
+    """The levers' values on ``platform`` (default: this process's backend; jax.default_backend
+    says gpu, jax.export cuda or rocm): `GPU_LEVERS` on a GPU, else `CPU_LEVERS`."""
+    gpu = (platform or jax.default_backend()) in ("gpu", "cuda", "rocm")
+    return dict(GPU_LEVERS if gpu else CPU_LEVERS)
+
 
 class Setup(NamedTuple):
     """Where and how a step program runs, one value for every factory: on ``replicas``
     replicas (R), at ``precision`` (`twinstep.ops.precision`), with a negative ``control``
     (`twinstep.collectives.CONTROLS`), by the conv paths ``depthwise_path`` and ``dense_path``
     (None: the platform's), strided convolutions cropping their unread padding or not
-    (``crop_unread``: the same values; IREE compiles only the crop; `twinstep.ops.conv`)."""
+    (``crop_unread``: the same values; IREE compiles only the crop; `twinstep.ops.conv`) and
+    BN's moments two-pass or one-pass (``bn_moments``; `twinstep.ops.batchnorm.MOMENTS`); those
+    two None: the platform's (`platform_levers`)."""
 
     replicas: int = 1
     precision: str | Precision = "f32"
     control: str = "none"
     depthwise_path: str | None = None
     dense_path: str | None = None
-    crop_unread: bool = True
+    crop_unread: bool | None = None
+    bn_moments: str | None = None
 
     def single(self) -> Setup:
         """The single device this setup is tied to: R = 1, no control."""
@@ -59,9 +74,11 @@ class Setup(NamedTuple):
         `dp.AXIS`."""
         single = self.replicas == 1 and self.control == "none"
         rep = SINGLE if single else dp.replicas(self.replicas, self.control)
+        levers = {k: v if v is not None else platform_levers()[k]
+                  for k, v in (("crop_unread", self.crop_unread), ("bn_moments", self.bn_moments))}
         return layers.Ctx(rep, get_precision(self.precision), train=train,
                           depthwise_path=self.depthwise_path, dense_path=self.dense_path,
-                          crop_unread=self.crop_unread)
+                          **levers)
 
 
 ONE_DEVICE = Setup()  # the factories' default: one device, f32, the platform's conv paths

@@ -63,6 +63,7 @@ class TieConfig:
     fast_compile: bool = False  # dp.FAST_COMPILE: same numerics, compile-dominated runs faster
     recipe: str | None = None  # whole-step ties (`run_steps_tie`): the recipe's name
     state: str | None = None  # STATES; None: PRECISION_DEFAULTS's
+    gpu_levers: bool = False  # program.GPU_LEVERS on any platform (docs/precision.md#gpu-levers)
 
     def __post_init__(self):
         if self.net not in NETS:
@@ -107,8 +108,10 @@ class TieConfig:
 
     def setup(self, prec: Precision) -> program.Setup:
         """The replica side's `twinstep.program.Setup` at ``prec``; ``.single()`` is the
-        single device it is tied to."""
-        return program.Setup(self.replicas, prec, self.control)
+        single device it is tied to. Its levers are this platform's, or a GPU's with
+        ``gpu_levers``."""
+        levers = program.GPU_LEVERS if self.gpu_levers else {}
+        return program.Setup(self.replicas, prec, self.control, **levers)
 
 
 def _check_steps_config(cfg: TieConfig, recipe) -> None:

@@ -59,6 +59,10 @@ def add(p) -> None:
                            + ", ".join(f"{v['state']} in {k}"
                                        for k, v in PRECISION_DEFAULTS.items()))
     step.add_argument("--control", choices=sorted(CONTROLS), help="a negative control")
+    step.add_argument("--gpu-levers", action="store_const", const=True,
+                      help="build both programs with the levers a GPU's programs take "
+                           "(symmetric padding, one-pass BN moments), to tie them on this "
+                           "machine (docs/precision.md#gpu-levers)")
     step.add_argument("--recipe", metavar="NAME",
                       help="tie whole training steps of this recipe (a name or preset, "
                            "'twinstep recipe'), f64")
@@ -156,7 +160,8 @@ def show_step(report, show_all: bool = False, seconds: float | None = None,
     c = report.config
     console.print(f"[bold]{c.net}[/]: R = {c.replicas} replicas x N = {c.batch} vs one device at "
                   f"{c.replicas * c.batch}; {c.res}², K = {c.classes}, loss {c.loss}, "
-                  f"{c.precision}, shift {'on' if c.shift else 'off'}, control {c.control}")
+                  f"{c.precision}, shift {'on' if c.shift else 'off'}, control {c.control}"
+                  + (", a GPU's levers" if c.gpu_levers else ""))
     rows = sorted(report.parameters, key=lambda p: -p["rel_err"] / max(p["bound"], 1e-300))
     shown = report.parameters if show_all else rows[:10]
     table = Table(title="parameter gradients: mean over replicas vs single device" +

@@ -24,7 +24,8 @@ from twinstep.ops.precision import F32, Precision
 class Ctx:
     """What a forward runs in: replicas (BN sync), precision policy, train (batch statistics)
     or eval (running statistics), the dense and depthwise conv paths (None: the platform's
-    defaults) and whether a strided convolution crops its unread padding (`twinstep.ops.conv`)."""
+    defaults), whether a strided convolution crops its unread padding (`twinstep.ops.conv`) and
+    how BN computes its moments (`twinstep.ops.batchnorm.MOMENTS`)."""
 
     replicas: Replicas = SINGLE
     precision: Precision = F32
@@ -32,6 +33,7 @@ class Ctx:
     depthwise_path: str | None = None
     dense_path: str | None = None
     crop_unread: bool = True
+    bn_moments: str = "two-pass"
 
 
 class ConvBN(NamedTuple):
@@ -62,7 +64,8 @@ def conv_bn_forward(params, buffers, names: ConvBN, x, *, stride: int, ctx: Ctx,
                                           crop_unread=ctx.crop_unread)
     gamma, beta = params[names.bn + ".weight"], params[names.bn + ".bias"]
     if ctx.train:
-        y, bn_res, bn_stats = batchnorm.bn_train_forward(y, gamma, beta, ctx.replicas)
+        y, bn_res, bn_stats = batchnorm.bn_train_forward(y, gamma, beta, ctx.replicas,
+                                                         ctx.bn_moments)
         if stats is not None:
             stats[names.bn] = bn_stats
     else:

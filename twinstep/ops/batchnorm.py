@@ -59,15 +59,25 @@ class BNRes:
         return (self.x - self.mean) * self.rstd
 
 
-def _shard_moments(x):
-    """This replica's channel mean and biased variance, two-pass."""
+MOMENTS = ("two-pass", "one-pass")
+
+
+def _shard_moments(x, moments: str = "two-pass"):
+    """This replica's channel mean and biased variance: ``two-pass`` (mean, then the mean
+    squared deviation) or ``one-pass``, E[x^2] - E[x]^2 clamped at 0, both sums read in one
+    pass over x (docs/precision.md#gpu-levers)."""
     mu = jnp.mean(x, axis=_ROWS)
+    if moments == "one-pass":
+        return mu, jnp.maximum(jnp.mean(jnp.square(x), axis=_ROWS) - jnp.square(mu), 0)
+    if moments != "two-pass":
+        raise ValueError(f"unknown BN moments {moments!r}; choose {' or '.join(MOMENTS)}")
     return mu, jnp.mean(jnp.square(x - mu), axis=_ROWS)
 
 
-def bn_forward_site(x, replicas: Replicas = SINGLE) -> BNStats:
-    """Global statistics of x [N, H, W, C] over all replicas' rows (one gather collective)."""
-    mu, var = _shard_moments(x)
+def bn_forward_site(x, replicas: Replicas = SINGLE, moments: str = "two-pass") -> BNStats:
+    """Global statistics of x [N, H, W, C] over all replicas' rows (one gather collective);
+    ``moments``: how each shard's are computed (`_shard_moments`)."""
+    mu, var = _shard_moments(x, moments)
     if replicas.bn_synced:  # else this shard's statistics (one device, or the `unsynced` control)
         mu_r, var_r = replicas.gather(jnp.stack([mu, var]), "bn_forward").swapaxes(0, 1)
         mu = jnp.mean(mu_r, axis=0)  # mu_r, var_r: [R, C]
@@ -76,9 +86,9 @@ def bn_forward_site(x, replicas: Replicas = SINGLE) -> BNStats:
     return BNStats(mu, var, rows * (replicas.count if replicas.bn_synced else 1))
 
 
-def bn_train_forward(x, gamma, beta, replicas: Replicas = SINGLE):
+def bn_train_forward(x, gamma, beta, replicas: Replicas = SINGLE, moments: str = "two-pass"):
     """y = xhat * gamma + beta with global batch statistics. Returns (y, BNRes, BNStats)."""
-    stats = bn_forward_site(x, replicas)
+    stats = bn_forward_site(x, replicas, moments)
     res = BNRes(x, stats.mean, lax.rsqrt(stats.var + EPS), gamma, replicas)
     return res.xhat * gamma + beta, res, stats
 

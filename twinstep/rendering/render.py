@@ -171,8 +171,11 @@ def export_step(cfg: RenderConfig, single: bool = False) -> Export:
     mesh = dp.abstract_mesh(replicas) if replicas > 1 else None
     with settings.jax_settings(jax_enable_x64=prec.name == "f64",
                               jax_traceback_in_locations_limit=0):
+        levers = program.platform_levers(platform)
+        if cfg.target == "iree":
+            levers["crop_unread"] = True  # IREE compiles only the cropped padding
         setup = program.Setup(replicas, prec, "none" if single else cfg.control,
-                              depthwise_path=depthwise, dense_path="conv")
+                              depthwise_path=depthwise, dense_path="conv", **levers)
         made = program.train_program(net, recipe, setup, classes=cfg.classes, mesh=mesh,
                                      flat=True)
         leaves = jax.tree.leaves(made.state)
