@@ -7,13 +7,14 @@
 # (bench/gpu_feed.py), then ResNet-50 trained through it and through Pillow with RandAugment m9
 # (bench/gpu_train.py); `profile`, where each net's step spends its time at batch 512 (kernel
 # time by category, the top 40 kernels, bandwidth, useful MFU; bench/gpu_profile.py, each net
-# in a process of its own), with XLA's autotuning results kept in bench/autotune/ for the next
-# lease (carry that folder). Needs no network.
+# in a process of its own). XLA's autotuning results are kept in bench/autotune/, which starts
+# from the newest bench/leases/*/autotune.tgz, and written to $OUT/autotune.tgz for the next
+# lease. Needs no network.
 #
 #   bash bench/gpu.sh [step] [hlo] [train]      # default: these three; from the repository root
 #   NETS=mnv4 bash bench/gpu.sh step hlo        # one net
 #   bash bench/gpu.sh feed                      # about 8 minutes on its own
-#   bash bench/gpu.sh profile                   # at most 9 minutes
+#   bash bench/gpu.sh profile                   # at most 9 minutes (150+220+120 s)
 #   STEP_ARGS=--recipe-res bash bench/gpu.sh step   # also each net at its recipe's resolution
 #
 # Each part has a time limit (step 360 s, hlo 150 s, train 300 s, feed 200 + 300 s). Seen on one H200 (2026-12-04,
@@ -60,6 +61,15 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # XLA's GPU flags: autotuned cuDNN convolutions (the default level), and the collective and
 # latency-hiding scheduler left as they are: one device has no collectives.
 export XLA_FLAGS=${XLA_FLAGS:---xla_gpu_autotune_level=4}
+# XLA's autotuning results, per fusion, kept from lease to lease: every part reads and adds to
+# bench/autotune/, which starts from the newest lease's copy in bench/leases/ (a results file
+# keyed by the GPU and XLA's version, so another card or XLA only misses)
+if [ ! -d bench/autotune ]; then
+    saved=$(find bench/leases -name autotune.tgz 2> /dev/null | sort | tail -1)
+    mkdir -p bench/autotune
+    [ -n "$saved" ] && tar -xzf "$saved" -C bench
+fi
+export XLA_FLAGS="$XLA_FLAGS --xla_gpu_per_fusion_autotune_cache_dir=$PWD/bench/autotune"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 
 has_gpu() { "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' 2>/dev/null; }
@@ -126,12 +136,18 @@ if [[ $parts == *" feed "* ]]; then
 fi
 profile=0
 if [[ $parts == *" profile "* ]]; then
-    mkdir -p bench/autotune
-    XLA_FLAGS="$XLA_FLAGS --xla_gpu_per_fusion_autotune_cache_dir=$PWD/bench/autotune" \
-        timeout 540 "$PY" bench/gpu_profile.py --nets "${nets[@]}" --out "$out/profile" \
-        --limit 260 --ab
-    profile=$?
+    # each net at 224² with its A/B and optimized HLO, then MobileNetV4 at its recipe's 256²
+    # alone; ResNet-50 first, with the least time: its compiles are the shortest
+    for run in "resnet50 224 150 --ab --hlo" "mnv4 224 220 --ab --hlo" "mnv4 256 120"; do
+        read -r net res limit extra <<< "$run"
+        [[ " ${nets[*]} " == *" $net "* ]] || continue
+        # shellcheck disable=SC2086 # the extra arguments are words
+        timeout $((limit + 20)) "$PY" bench/gpu_profile.py --nets "$net" --res "$res" \
+            --out "$out/profile" --limit "$limit" $extra || profile=3
+    done
 fi
+# the autotuning results, to be committed as bench/leases/<date>-<card>/autotune.tgz
+[ -n "${OUT:-}" ] && tar -czf "$OUT/autotune.tgz" -C bench autotune 2> /dev/null
 echo "gpu.sh:${parts}: gpu_step exit $step, gpu_bf16_hlo exit $bf16, gpu_train exit $train," \
     "feed exit $feed, profile exit $profile"
 [ "$step" -eq 0 ] && [ "$bf16" -eq 0 ] && [ "$train" -eq 0 ] && [ "$feed" -eq 0 ] &&

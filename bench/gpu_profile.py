@@ -4,7 +4,7 @@ For each net, in a process of its own under --limit seconds (a slow compile of o
 other's result): the recipe ``<net>in_adamdp<N>bf16`` at --batch and --res, compiled as
 bench/gpu_step.py compiles it; --steps steps timed in windows blocked once each; then --traced
 steps traced with ``jax.profiler`` and the trace read back here. Per net, one JSON file
-``profile_<net>.json`` under --out:
+``profile_<net>_<res>.json`` under --out:
 
   img_per_s, step_ms      the timed windows' median
   useful_mfu              2 x the useful multiply-accumulates (`twinstep.rendering.stablehlo
@@ -13,10 +13,13 @@ steps traced with ``jax.profiler`` and the trace read back here. Per net, one JS
   categories              ms per step by kind of kernel (`CATEGORIES`: the first whose pattern
                           an op's HLO name or its kernel's name matches), and their share
   top                     the --top kernels by time: name, HLO op, category, count, ms per step
-  ab                      with --ab, each lever (`LEVERS`: a `twinstep.program.Setup` field)
+  ab                      with --ab, each lever (`LEVERS`: `twinstep.program.Setup` fields)
                           against the default, windows interleaved: its step_ms and speedup
                           (the default's step time over the lever's), written once the
                           profile is
+
+With --hlo, also ``hlo_<net>_<res>.txt.gz``: the default step's optimized HLO, whose fusion
+names the profile's kernels carry.
 
 On a GPU the kernels are the device plane's events (each names its HLO op); on a machine without
 one the same script is its own CPU twin, reading XLA:CPU's thunks from the host plane (there the
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import gzip
 import json
 import os
 import re
@@ -43,6 +47,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from twinstep import program  # noqa: E402
 
 # (category, pattern of an HLO op's name or its kernel's): the first that matches either names
 # it. XLA:GPU names cuDNN's convolutions cudnn-conv (forward, also with a fused bias and
@@ -59,8 +65,11 @@ CATEGORIES = (
     ("XLA fusions", r"fusion"),
 )
 AGGREGATE_LINES = ("XLA Modules", "XLA Ops", "Steps", "Launch Stats", "TraceMe")
-# the levers --ab times against the default: {name: gpu_step.build keyword arguments}
-LEVERS = {"crop_unread=False": {"crop_unread": False}}
+# the levers --ab times against the default, in this order: {name: (`twinstep.program.Setup`
+# fields, the nets it applies to)}. The default is this platform's (`program.platform_levers`);
+# each lever the first lease timed one at a time (bench/RESULTS.md#gpu-profile) is adopted on a
+# GPU now, so the one A/B left is the step without them: the "before".
+LEVERS = {"without the GPU's levers": (program.CPU_LEVERS, ("resnet50", "mnv4"))}
 
 
 def category(op: str, kernel: str) -> str:
@@ -71,27 +80,40 @@ def category(op: str, kernel: str) -> str:
     return "other"
 
 
-def kernel_events(trace_dir: str) -> list[tuple[str, str, float]]:
-    """(HLO op, kernel name, ns) of every timed kernel in a jax.profiler trace: the events of a
-    GPU's device plane, else of the host plane's XLA threads, that name an HLO op (the
-    aggregate lines, which repeat them, left out)."""
+def _planes(trace_dir: str) -> list:
     import jax
 
     paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not paths:
         raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
-    data = jax.profiler.ProfileData.from_file(paths[0])
-    planes = list(data.planes)
+    return list(jax.profiler.ProfileData.from_file(paths[0]).planes)
+
+
+def trace_lines(trace_dir: str) -> dict:
+    """{"plane | line": events} of a trace's device planes (or its host plane): what
+    `kernel_events` chose from, kept in the JSON to check its choice."""
+    planes = _planes(trace_dir)
+    gpu = [p for p in planes if p.name.startswith("/device:")]
+    return {f"{p.name} | {line.name}": len(list(line.events))
+            for p in gpu or [p for p in planes if p.name == "/host:CPU"] for line in p.lines}
+
+
+def kernel_events(trace_dir: str) -> list[tuple[str, str, float]]:
+    """(HLO op, kernel name, ns) of every timed kernel in a jax.profiler trace: on a GPU, every
+    event of its device plane's streams (the op "" where the kernel names none, a copy say);
+    without one, the host plane's events that name an HLO op (the aggregate lines, which repeat
+    them, left out)."""
+    planes = _planes(trace_dir)
     gpu = [p for p in planes if p.name.startswith("/device:GPU")]
     out = []
     for plane in gpu or [p for p in planes if p.name == "/host:CPU"]:
-        for line in plane.lines:
-            if line.name.startswith(AGGREGATE_LINES):
-                continue
+        lines = [line for line in plane.lines if not line.name.startswith(AGGREGATE_LINES)]
+        streams = [line for line in lines if line.name.startswith("Stream")]
+        for line in streams if gpu and streams else lines:
             for event in line.events:
                 op = dict(event.stats).get("hlo_op")
-                if op is not None:
-                    out.append((str(op), event.name, float(event.duration_ns)))
+                if op is not None or (gpu and streams):
+                    out.append((str(op or ""), event.name, float(event.duration_ns)))
     return out
 
 
@@ -143,21 +165,28 @@ def profile_net(net_name: str, args, write) -> dict:
            "useful_gflop_per_image": 2 * macs["useful_macs"] / args.batch / 1e9,
            "gflop_per_image_with_dilated_zeros": 2 * macs["macs"] / args.batch / 1e9,
            "bandwidth_gb_s": float(cost.get("bytes accessed", 0.0)) / step_s / 1e9,
-           **summarise(kernel_events(trace), args.traced, args.top)}
+           **summarise(kernel_events(trace), args.traced, args.top),
+           "trace_lines": trace_lines(trace)}
     if args.keep_trace:
         out["trace"] = trace
+    if args.hlo:
+        with gzip.open(args.out / f"hlo_{net_name}_{args.res}.txt.gz", "wt") as f:
+            f.write(compiled.as_text())
     write(out)
     if args.ab:
         out["ab"] = {}
-        for lever, kwargs in LEVERS.items():
-            out["ab"][lever] = lever_ab(net_name, args, compiled, call_args, kwargs)
+        for lever, (kwargs, nets) in LEVERS.items():
+            if net_name in nets:
+                out["ab"][lever], call_args = lever_ab(net_name, args, compiled, call_args,
+                                                       kwargs)
             write(out)
     return out
 
 
 def lever_ab(net_name: str, args, compiled, call_args, kwargs) -> dict:
     """The step built with ``kwargs`` against ``compiled`` (the default's), each timed in
-    windows of --steps // 3 steps, interleaved, three of each: medians."""
+    windows of --steps // 3 steps, interleaved, three of each: (medians, the default's
+    arguments now: its steps donated those it was given)."""
     from gpu_step import build, time_steps
 
     other, other_args, _ = build(net_name, args.batch, args.res, args.classes, **kwargs)
@@ -172,7 +201,8 @@ def lever_ab(net_name: str, args, compiled, call_args, kwargs) -> dict:
             else:
                 other_args = stepped
     default, lever = (statistics.median(times[k]) for k in ("default", "lever"))
-    return {"step_ms": lever * 1e3, "default_step_ms": default * 1e3, "speedup": default / lever}
+    return ({"step_ms": lever * 1e3, "default_step_ms": default * 1e3,
+             "speedup": default / lever}, call_args)
 
 
 def print_profile(p: dict) -> None:
@@ -200,6 +230,7 @@ def main(argv=None) -> int:
     p.add_argument("--peak-tflops", type=float, default=989.4,
                    help="the device's dense bf16 peak, for MFU (default: H200's)")
     p.add_argument("--keep-trace", action="store_true", help="keep the profiler's trace")
+    p.add_argument("--hlo", action="store_true", help="also write the optimized HLO, gzipped")
     p.add_argument("--ab", action="store_true",
                    help=f"also time each lever against the default ({', '.join(LEVERS)})")
     p.add_argument("--out", type=Path, default=Path(__file__).with_name("profile"))
@@ -207,7 +238,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
-        path = args.out / f"profile_{args.one}.json"
+        path = args.out / f"profile_{args.one}_{args.res}.json"
         profile = profile_net(args.one, args,
                               lambda p: path.write_text(json.dumps(p, indent=1)))
         print_profile(profile)

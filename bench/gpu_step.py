@@ -49,13 +49,13 @@ GOALS = {"resnet50": 8000, "mnv4": 15000}  # img/s on one H200 (issue 16)
 
 
 def build(net_name: str, batch: int, res: int, classes: int, options: dict | None = None,
-          crop_unread: bool = True):
+          **levers):
     """(compiled step, its arguments, {"macs", "useful_macs"} per step) at ``batch`` examples
-    of ``res``²; ``options``: XLA compiler options for this compile only; ``crop_unread``:
-    `twinstep.program.Setup`'s."""
+    of ``res``²; ``options``: XLA compiler options for this compile only; ``levers``: fields of
+    `twinstep.program.Setup` other than the bf16 precision (crop_unread, bn_moments, ...)."""
     recipe = dataclasses.replace(recipes.parse(f"{net_name}in_adamdpbf16"), batch=batch)
     net = get_net(net_name)
-    setup = program.Setup(precision="bf16", crop_unread=crop_unread)
+    setup = program.Setup(precision="bf16", **levers)
     made = program.train_program(net, recipe, setup, classes=classes, donate=True)
     shapes = net.param_shapes(classes)
     params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
