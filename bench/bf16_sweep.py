@@ -9,9 +9,12 @@ holds the same matrix (tests/test_tie.py::test_bf16_sweep, ::test_bf16_controls_
                partial-sum boundary itself, as they must
 
 With --gpu-levers both programs take a GPU's levers (`twinstep.program.GPU_LEVERS`: symmetric
-padding, one-pass BN moments) and the table goes to "bf16 tie sweep, a GPU's levers".
+padding, one-pass BN moments) and the table goes to "bf16 tie sweep, a GPU's levers"; with
+--store bf16 too, they store activations and cotangents in bf16 (docs/precision.md#bf16-storage)
+and it goes to "bf16 tie sweep, a GPU's levers, stored in bf16".
 
     python bench/bf16_sweep.py [--replicas 2 4 8] [--batches 1 2 3] [--gpu-levers]
+                               [--store bf16]
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ NETS = ("resnet50", "mnv4")
 CONTROLS = ("divisor-plus-one", "unsynced")
 
 
-def _one_r(replicas: int, cases: list, gpu_levers: bool) -> list:
+def _one_r(replicas: int, cases: list, gpu_levers: bool, store: str | None) -> list:
     """Run ``cases`` [(net, N, res, control)] at R = ``replicas`` in this process."""
     import jax
 
@@ -40,7 +43,8 @@ def _one_r(replicas: int, cases: list, gpu_levers: bool) -> list:
     rows = []
     for net, batch, res, control in cases:
         r = twinstep.tie(net, replicas=replicas, batch=batch, res=res, precision="bf16",
-                         control=control, fast_compile=net == "mnv4", gpu_levers=gpu_levers)
+                         control=control, fast_compile=net == "mnv4", gpu_levers=gpu_levers,
+                         store=store)
         convs = [p for p in r.parameters if len(p["shape"]) == 4]
         rows.append({"net": net, "R": replicas, "N": batch, "res": res, "control": control,
                      "status": r.status, "ok": sum(p["ok"] for p in r.parameters),
@@ -55,6 +59,7 @@ def main() -> None:
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--gpu-levers", action="store_true", help="tie with a GPU's levers")
+    p.add_argument("--store", choices=["bf16"], help="store activations and cotangents in bf16")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: one R
     args = p.parse_args()
     if args.one is not None:
@@ -62,12 +67,13 @@ def main() -> None:
         if args.one == 2:
             cases += [(net, 2, 64, "none") for net in NETS]
             cases += [(net, 2, 32, c) for net in NETS for c in CONTROLS]
-        _one_r(args.one, cases, args.gpu_levers)
+        _one_r(args.one, cases, args.gpu_levers, args.store)
         return
     rows = []
     for replicas in args.replicas:
         out = subprocess.run([sys.executable, __file__, "--one", str(replicas), "--batches",
-                              *map(str, args.batches), *(["--gpu-levers"] * args.gpu_levers)],
+                              *map(str, args.batches), *(["--gpu-levers"] * args.gpu_levers),
+                              *(["--store", args.store] if args.store else [])],
                              capture_output=True, text=True,
                              check=True).stdout
         rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -78,9 +84,11 @@ def main() -> None:
                      f"**{r['status']}** | {r['ok']}/{r['tensors']} | {r['worst']:.2f} |")
     ties = [r for r in rows if r["control"] == "none"]
     controls = [r for r in rows if r["control"] != "none"]
-    levers = ", a GPU's levers" if args.gpu_levers else ""
+    levers = (", a GPU's levers" if args.gpu_levers else "") + (
+        f", stored in {args.store}" if args.store else "")
+    flags = " --gpu-levers" * args.gpu_levers + (f" --store {args.store}" if args.store else "")
     write_results(RESULTS, "bf16 tie sweep" + levers,
-                  f"`twinstep tie NET --precision bf16{' --gpu-levers' * args.gpu_levers}` "
+                  f"`twinstep tie NET --precision bf16{flags}` "
                   f"(random-bn state, seed 0, K = 10) for both nets across R and N, and the "
                   f"subtle controls at R = 2, N = 2.",
                   "python bench/bf16_sweep.py " + " ".join(sys.argv[1:]), "\n".join(lines),

@@ -131,3 +131,33 @@ def test_one_pass_moments_in_f32_round_far_below_bf16(net_name):
     assert worst(xs) < 2.0**-10
     shifted = [x + 300 * jnp.sqrt(_shard_moments(x)[1]) for x in xs]
     assert worst(shifted) > 2.0**-10
+
+
+def test_bf16_storage_rounds_between_ops_and_reaches_both_nets(rng):
+    """``store="bf16"`` (docs/precision.md#bf16-storage): `Precision.stored` rounds to bf16 and
+    keeps the dtype, once (idempotent), and is the identity without it; only bf16 may store in
+    bf16. Control: in each net's gradient step it adds bf16 rounding points between ops (the
+    forward's outputs, the residual adds, the cotangent sums), so the switch is not a no-op."""
+    from twinstep import program
+    from twinstep.nets import get_net
+    from twinstep.ops.precision import Precision
+
+    store = Precision("bf16", store="bf16")
+    x = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
+    y = store.stored(x)
+    assert y.dtype == jnp.float32 and np.array_equal(y, x.astype(jnp.bfloat16).astype(y.dtype))
+    assert not np.array_equal(y, x) and np.array_equal(store.stored(y), y)
+    assert BF16.stored(x) is x
+    for name in ("f32", "f64"):
+        with pytest.raises(ValueError, match="only bf16 stores in bf16"):
+            Precision(name, store="bf16")
+    to_bf16 = re.compile(r"stablehlo\.convert.*-> tensor<[^>]*bf16>")
+    for net_name in ("resnet50", "mnv4"):
+        net = get_net(net_name)
+        p, b = program.abstract_params(net, 10, jnp.float32)
+        x = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
+        t = jax.ShapeDtypeStruct((2, 10), jnp.float32)
+        counts = [len(to_bf16.findall(program.grad_program(
+            net, program.Setup(precision="bf16", store=s)).lower(p, b, x, t).as_text()))
+            for s in (None, "bf16")]
+        assert counts[1] > counts[0] > 0, (net_name, counts)

@@ -251,27 +251,42 @@ def test_bf16_ties_at_the_partial_sum_boundary(net, replicas):
 
 
 @pytest.mark.slow
+def test_bf16_storage_ties_and_a_control_fails():
+    """bf16 storage between ops (docs/precision.md#bf16-storage), with a GPU's levers: its
+    rounding points act elementwise on values both programs compute alike, so the bf16 tie holds
+    at the same bounds; MobileNetV4 at R = 2 (residual adds, the cotangent sums, the pooled
+    cotangent); and divisor-plus-one still fails. Both nets at R = 2, 4, 8: test-all's sweep."""
+    storage = {"precision": "bf16", "replicas": 2, "gpu_levers": True, "store": "bf16"}
+    assert_tied(run(net="mnv4", **storage))
+    assert run(net="mnv4", control="divisor-plus-one", **storage).status == "NOT tied"
+
+
+# the bf16 variants test-all ties: this machine's levers, a GPU's, a GPU's with bf16 storage
+BF16_VARIANTS = [{}, {"gpu_levers": True}, {"gpu_levers": True, "store": "bf16"}]
+
+
+@pytest.mark.slow
 @pytest.mark.all
 @pytest.mark.parametrize("net", ["resnet50", "mnv4"])
 @pytest.mark.parametrize("replicas, batch, res", [*((r, n, 32) for r in (2, 4, 8)
                                                      for n in (1, 2, 3)), (2, 2, 64)])
-@pytest.mark.parametrize("gpu_levers", [False, True])
-def test_bf16_sweep(net, replicas, batch, res, gpu_levers):
-    """bf16 ties across R x N (and 64² at R = 2), with this machine's levers and a GPU's: no
-    false alarm anywhere (docs/tie.md#bf16)."""
+@pytest.mark.parametrize("variant", BF16_VARIANTS, ids=["cpu", "gpu", "gpu-store"])
+def test_bf16_sweep(net, replicas, batch, res, variant):
+    """bf16 ties across R x N (and 64² at R = 2), in each of `BF16_VARIANTS`: no false alarm
+    anywhere (docs/tie.md#bf16)."""
     assert_tied(run(net=net, precision="bf16", replicas=replicas, batch=batch, res=res,
-                    gpu_levers=gpu_levers))
+                    **variant))
 
 
 @pytest.mark.slow
 @pytest.mark.all
 @pytest.mark.parametrize("net", ["resnet50", "mnv4"])
 @pytest.mark.parametrize("control", ["divisor-plus-one", "unsynced"])
-@pytest.mark.parametrize("gpu_levers", [False, True])
-def test_bf16_controls_fail(net, control, gpu_levers):
+@pytest.mark.parametrize("variant", BF16_VARIANTS, ids=["cpu", "gpu", "gpu-store"])
+def test_bf16_controls_fail(net, control, variant):
     """The bf16 bound, with its allowance for structural zeros, still sees the subtle controls
-    at R = 2, with either platform's levers."""
-    r = run(net=net, precision="bf16", replicas=2, control=control, gpu_levers=gpu_levers)
+    at R = 2, in each of `BF16_VARIANTS`."""
+    r = run(net=net, precision="bf16", replicas=2, control=control, **variant)
     assert r.status == "NOT tied"
 
 

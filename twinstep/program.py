@@ -21,6 +21,7 @@ the first R devices (a runnable program), ``dp.abstract_mesh(R)`` no devices at 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -55,7 +56,8 @@ class Setup(NamedTuple):
     (None: the platform's), strided convolutions cropping their unread padding or not
     (``crop_unread``: the same values; IREE compiles only the crop; `twinstep.ops.conv`) and
     BN's moments two-pass or one-pass (``bn_moments``; `twinstep.ops.batchnorm.MOMENTS`); those
-    two None: the platform's (`platform_levers`)."""
+    two None: the platform's (`platform_levers`). ``store``: "bf16" rounds activations and
+    cotangents to bf16 between ops (`twinstep.ops.precision.Precision.store`; bf16 only)."""
 
     replicas: int = 1
     precision: str | Precision = "f32"
@@ -64,6 +66,7 @@ class Setup(NamedTuple):
     dense_path: str | None = None
     crop_unread: bool | None = None
     bn_moments: str | None = None
+    store: str | None = None
 
     def single(self) -> Setup:
         """The single device this setup is tied to: R = 1, no control."""
@@ -76,7 +79,10 @@ class Setup(NamedTuple):
         rep = SINGLE if single else dp.replicas(self.replicas, self.control)
         levers = {k: v if v is not None else platform_levers()[k]
                   for k, v in (("crop_unread", self.crop_unread), ("bn_moments", self.bn_moments))}
-        return layers.Ctx(rep, get_precision(self.precision), train=train,
+        precision = get_precision(self.precision)
+        if self.store is not None:
+            precision = dataclasses.replace(precision, store=self.store)
+        return layers.Ctx(rep, precision, train=train,
                           depthwise_path=self.depthwise_path, dense_path=self.dense_path,
                           **levers)
 

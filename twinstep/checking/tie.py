@@ -64,6 +64,7 @@ class TieConfig:
     recipe: str | None = None  # whole-step ties (`run_steps_tie`): the recipe's name
     state: str | None = None  # STATES; None: PRECISION_DEFAULTS's
     gpu_levers: bool = False  # program.GPU_LEVERS on any platform (docs/precision.md#gpu-levers)
+    store: str | None = None  # "bf16": Precision.store (docs/precision.md#bf16-storage)
 
     def __post_init__(self):
         if self.net not in NETS:
@@ -84,6 +85,9 @@ class TieConfig:
             if getattr(self, field) not in (None, *allowed):
                 raise UsageError(f"unknown --{field} {getattr(self, field)!r}; choose from "
                                  f"{', '.join(allowed)}")
+        if self.store not in (None, "bf16") or (self.store and self.precision != "bf16"):
+            raise UsageError(f"--store {self.store} needs --precision bf16 (only bf16 stores "
+                             f"activations in bf16)")
         if self.precision == "bf16" and self.replicas & (self.replicas - 1):
             raise UsageError("a bf16 tie needs --replicas a power of two: a replica's loss "
                              "cotangent is R times the single device's, and bf16 rounding "
@@ -111,7 +115,7 @@ class TieConfig:
         single device it is tied to. Its levers are this platform's, or a GPU's with
         ``gpu_levers``."""
         levers = program.GPU_LEVERS if self.gpu_levers else {}
-        return program.Setup(self.replicas, prec, self.control, **levers)
+        return program.Setup(self.replicas, prec, self.control, store=self.store, **levers)
 
 
 def _check_steps_config(cfg: TieConfig, recipe) -> None:

@@ -63,6 +63,10 @@ def add(p) -> None:
                       help="build both programs with the levers a GPU's programs take "
                            "(symmetric padding, one-pass BN moments), to tie them on this "
                            "machine (docs/precision.md#gpu-levers)")
+    step.add_argument("--store", choices=["bf16"],
+                      help="with --precision bf16: round every activation and cotangent to "
+                           "bf16 between ops, as timm's AMP stores them; a GPU lever not yet "
+                           "timed (docs/precision.md#bf16-storage)")
     step.add_argument("--recipe", metavar="NAME",
                       help="tie whole training steps of this recipe (a name or preset, "
                            "'twinstep recipe'), f64")
@@ -161,7 +165,8 @@ def show_step(report, show_all: bool = False, seconds: float | None = None,
     console.print(f"[bold]{c.net}[/]: R = {c.replicas} replicas x N = {c.batch} vs one device at "
                   f"{c.replicas * c.batch}; {c.res}², K = {c.classes}, loss {c.loss}, "
                   f"{c.precision}, shift {'on' if c.shift else 'off'}, control {c.control}"
-                  + (", a GPU's levers" if c.gpu_levers else ""))
+                  + (", a GPU's levers" if c.gpu_levers else "")
+                  + (f", stored in {c.store}" if c.store else ""))
     rows = sorted(report.parameters, key=lambda p: -p["rel_err"] / max(p["bound"], 1e-300))
     shown = report.parameters if show_all else rows[:10]
     table = Table(title="parameter gradients: mean over replicas vs single device" +

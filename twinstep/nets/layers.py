@@ -74,7 +74,7 @@ def conv_bn_forward(params, buffers, names: ConvBN, x, *, stride: int, ctx: Ctx,
     mask = None
     if relu:
         y, mask = activation.relu_forward(y)
-    return y, ConvBNTape(names, depthwise, ctx.train, conv_res, bn_res, mask)
+    return ctx.precision.stored(y), ConvBNTape(names, depthwise, ctx.train, conv_res, bn_res, mask)
 
 
 def conv_bn_vjp(tape: ConvBNTape, dy, grads: dict):

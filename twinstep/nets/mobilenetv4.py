@@ -209,10 +209,11 @@ def backward(tape: Tape, dlogits) -> dict:
     grads = {}
     dy, grads["classifier.weight"], grads["classifier.bias"] = dense.dense_vjp(tape.classifier,
                                                                                dlogits)
+    stored = tape.stem.conv.precision.stored  # what each op's cotangent is stored as
     if tape.dropout is not None:
         dy = elementwise.mask_vjp(tape.dropout, dy)
     dy = conv_bn_vjp(tape.head, dy[:, None, None, :], grads)[:, 0, 0, :]
-    dy = pool.gap_vjp(tape.gap, dy)
+    dy = stored(pool.gap_vjp(tape.gap, dy))
     for t in reversed(tape.blocks):
         dy = _block_vjp(t, dy, grads)
     conv_bn_vjp(tape.stem, dy, grads)  # the image's cotangent is not needed (XLA drops it)
@@ -233,17 +234,18 @@ def _block_forward(params, buffers, b: Block, x, *, ctx, stats, mask):
     if b.skip:
         if mask is not None:
             y, m = elementwise.mask_forward(y, mask)
-        y = elementwise.add_forward(y, x)
+        y = ctx.precision.stored(elementwise.add_forward(y, x))
     return y, (tapes, b.skip, m)
 
 
 def _block_vjp(tape, dy, grads):
     tapes, skip, m = tape
+    stored = tapes[0].conv.precision.stored
     d_shortcut = None
     if skip:
         dy, d_shortcut = elementwise.add_vjp(dy)
         if m is not None:
-            dy = elementwise.mask_vjp(m, dy)
+            dy = stored(elementwise.mask_vjp(m, dy))
     for t in reversed(tapes):
         dy = conv_bn_vjp(t, dy, grads)
-    return dy if d_shortcut is None else dy + d_shortcut
+    return dy if d_shortcut is None else stored(dy + d_shortcut)

@@ -133,11 +133,12 @@ def forward(params: dict, buffers: dict, x, ctx: Ctx, *, drop_path=None):
 def backward(tape: Tape, dlogits) -> dict:
     """The explicit chain from d logits [N, K] to all 161 parameter gradients (timm order)."""
     grads = {}
+    stored = tape.stem.conv.precision.stored  # what each op's cotangent is stored as
     dy, grads["fc.weight"], grads["fc.bias"] = dense.dense_vjp(tape.fc, dlogits)
-    dy = pool.gap_vjp(tape.gap, dy)
+    dy = stored(pool.gap_vjp(tape.gap, dy))
     for t in reversed(tape.blocks):
         dy = _bottleneck_vjp(t, dy, grads)
-    dy = pool.maxpool_vjp(tape.pool, dy)
+    dy = stored(pool.maxpool_vjp(tape.pool, dy))
     conv_bn_vjp(tape.stem, dy, grads)  # the image's cotangent is not needed (XLA drops it)
     return {k: grads[k] for k in tape.names}
 
@@ -159,13 +160,14 @@ def _bottleneck_forward(params, buffers, b: Block, x, *, ctx, stats, mask):
                                        ConvBN(f"{p}.downsample.0", f"{p}.downsample.1"), x,
                                        stride=b.stride, ctx=ctx, relu=False, stats=stats)
     y, relu_mask = activation.relu_forward(elementwise.add_forward(y, shortcut))
-    return y, (t1, t2, t3, m, td, relu_mask)
+    return ctx.precision.stored(y), (t1, t2, t3, m, td, relu_mask)
 
 
 def _bottleneck_vjp(tape, dy, grads):
     t1, t2, t3, m, td, relu_mask = tape
+    stored = t1.conv.precision.stored
     d_branch, d_shortcut = elementwise.add_vjp(activation.relu_vjp(relu_mask, dy))
     if m is not None:
-        d_branch = elementwise.mask_vjp(m, d_branch)
+        d_branch = stored(elementwise.mask_vjp(m, d_branch))
     dx = conv_bn_vjp(t1, conv_bn_vjp(t2, conv_bn_vjp(t3, d_branch, grads), grads), grads)
-    return dx + (conv_bn_vjp(td, d_shortcut, grads) if td is not None else d_shortcut)
+    return stored(dx + (conv_bn_vjp(td, d_shortcut, grads) if td is not None else d_shortcut))

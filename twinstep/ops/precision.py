@@ -29,10 +29,17 @@ class Precision:
     # The dtype of everything that is not a convolution: None = the policy's own (f64 for f64,
     # else f32); "f64" under bf16 for the tie (docs/tie.md#bf16).
     base: str | None = None
+    # How activations and cotangents are stored between ops: None, in `dtype`; "bf16" (under the
+    # bf16 policy only), rounded to bfloat16 at every op's output and computed on in `dtype`,
+    # as timm's AMP stores them: a GPU lever under evaluation (docs/precision.md#bf16-storage).
+    store: str | None = None
 
     def __post_init__(self):
         if self.name not in NAMES:
             raise ValueError(f"unknown precision {self.name!r}; choose f64, f32 or bf16")
+        if self.store not in (None, "bf16") or (self.store and self.name != "bf16"):
+            raise ValueError(f"precision {self.name!r} cannot store in {self.store!r}; "
+                             f"only bf16 stores in bf16")
         if self.base not in (None, "f32", "f64") or (self.name != "bf16"
                                                      and self.base not in (None, self.name)):
             raise ValueError(f"precision {self.name!r} cannot have base {self.base!r}")
@@ -55,6 +62,11 @@ class Precision:
     def conv_dtype(self):
         """Operands and result type of every convolution."""
         return jnp.bfloat16 if self.name == "bf16" else self.dtype
+
+    def stored(self, x):
+        """x [any] as the policy stores it between ops: rounded to bf16 under ``store="bf16"``
+        (and typed as before), else x itself."""
+        return round_to(x, jnp.bfloat16).astype(x.dtype) if self.store == "bf16" else x
 
     @property
     def weight_grad_dtype(self):
