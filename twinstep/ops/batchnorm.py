@@ -2,14 +2,16 @@
 statistics.
 
 Training mode normalises each channel over every row of the GLOBAL batch — on one device its
-N·H·W rows, on R replicas all R·N·H·W rows — with the biased variance, two-pass, eps = 1e-5.
+N·H·W rows, on R replicas all R·N·H·W rows — with the biased variance, eps = 1e-5; each
+shard's moments two-pass, or one-pass where a GPU's programs ask (`MOMENTS`).
 The `Replicas` context decides which: the same code is the single-device op (no collective)
 and the replica op inside ``jax.shard_map``.
 
 Sites, in the order the step meets them:
 - forward site  `bn_forward_site`: one gather of every replica's [mu_r, var_r], then on each
   replica mu = mean_r mu_r; var = mean_r (var_r + (mu_r - mu)^2) (Chan's parallel variance:
-  exact for equal shards, never E[x^2] - E[x]^2; the gather lets it take one round, not two).
+  exact for equal shards, never E[x^2] - E[x]^2 across shards; the gather lets it take one
+  round, not two).
 - backward site `bn_backward_site`: one collective of [mean(g.dy), mean(xhat.g.dy)], then
   dx = rstd (g.dy - mean(g.dy) - xhat mean(xhat.g.dy)), xhat from the GLOBAL mu, var.
 - gamma, beta nodes `bn_gamma_grad`, `bn_beta_grad`: sum(dy.xhat) with the GLOBAL statistics,

@@ -7,6 +7,9 @@
   f32-typed result would let XLA silently run the convolution in f32. BN, adds, ReLU, pooling,
   the head, the loss, the optimizer, master weights and all collectives stay float32.
 
+``Precision("bf16", store="bf16")`` also rounds every activation and cotangent to bf16 between
+ops (docs/precision.md#bf16-storage).
+
 ``Precision("bf16", base="f64")`` keeps the bf16 policy's rounding points (every conv operand and
 result) and runs everything else in float64: the bf16 tie's policy (why: docs/tie.md#bf16).
 """
