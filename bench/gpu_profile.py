@@ -13,6 +13,8 @@ steps traced with ``jax.profiler`` and the trace read back here. Per net, one JS
   categories              ms per step by kind of kernel (`CATEGORIES`: the first whose pattern
                           an op's HLO name or its kernel's name matches), and their share
   top                     the --top kernels by time: name, HLO op, category, count, ms per step
+  top_conv_calls          the --top convolution and GEMM calls by time, each by its HLO op's
+                          own name
   ab                      with --ab, each lever (`LEVERS`: `twinstep.program.Setup` fields)
                           against the default, windows interleaved: its step_ms and speedup
                           (the default's step time over the lever's), written once the
@@ -119,15 +121,20 @@ def kernel_events(trace_dir: str) -> list[tuple[str, str, float]]:
 
 
 def summarise(events, steps: int, top: int) -> dict:
-    """{"categories": {name: {"ms_per_step", "share"}}, "top": [...]} of ``steps`` traced
-    steps' `kernel_events`."""
+    """{"categories": {name: {"ms_per_step", "share"}}, "top": [...], "top_conv_calls": [...]}
+    of ``steps`` traced steps' `kernel_events`; the conv and GEMM calls by their own HLO op (its
+    name as the optimized HLO has it, to read its shapes there)."""
     by_category = collections.Counter()
     by_kernel = collections.defaultdict(lambda: [0, 0.0])
+    by_conv_call = collections.Counter()
     for op, kernel, ns in events:
-        by_category[category(op, kernel)] += ns
+        kind = category(op, kernel)
+        by_category[kind] += ns
         key = (kernel, re.sub(r"\.\d+$", "", op))
         by_kernel[key][0] += 1
         by_kernel[key][1] += ns
+        if kind.startswith("conv") or kind == "gemm":  # XLA:CPU's convolutions are dots
+            by_conv_call[(op, kind)] += ns
     total = sum(by_category.values()) or 1.0
     cats = {name: {"ms_per_step": ns / steps / 1e6, "share": ns / total}
             for name, ns in by_category.most_common()}
@@ -135,7 +142,9 @@ def summarise(events, steps: int, top: int) -> dict:
     return {"kernel_ms_per_step": total / steps / 1e6, "categories": cats,
             "top": [{"kernel": k[:160], "op": op, "category": category(op, k),
                      "count_per_step": n / steps, "ms_per_step": ns / steps / 1e6}
-                    for (k, op), (n, ns) in ranked]}
+                    for (k, op), (n, ns) in ranked],
+            "top_conv_calls": [{"op": op, "category": kind, "ms_per_step": ns / steps / 1e6}
+                               for (op, kind), ns in by_conv_call.most_common(top)]}
 
 
 def profile_net(net_name: str, args, write) -> dict:
