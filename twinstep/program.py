@@ -77,8 +77,8 @@ class Setup(NamedTuple):
         `dp.AXIS`."""
         single = self.replicas == 1 and self.control == "none"
         rep = SINGLE if single else dp.replicas(self.replicas, self.control)
-        levers = {k: v if v is not None else platform_levers()[k]
-                  for k, v in (("crop_unread", self.crop_unread), ("bn_moments", self.bn_moments))}
+        levers = {k: v if getattr(self, k) is None else getattr(self, k)
+                  for k, v in platform_levers().items()}
         precision = get_precision(self.precision)
         if self.store is not None:
             precision = dataclasses.replace(precision, store=self.store)

@@ -8,8 +8,8 @@ the last ``r = H + 2p - k - (Ho - 1) s`` padded rows are read by no window; both
 them (their input gradient is zero), and the forward crops them from its high padding: the same
 output, bitwise, on XLA, and the only form IREE's llvm-cpu backend compiles
 (tests/test_iree.py::test_iree_conv_with_unread_padding). ``crop_unread=False`` pads p on both
-sides instead, the form cuDNN takes as it is, where the crop may cost XLA:GPU a padded copy
-(measured by `bash bench/gpu.sh profile`'s A/B, docs/speed.md#gpu).
+sides instead, the form cuDNN takes as it is: a GPU's default, where the crop cost XLA:GPU a
+padded copy (docs/precision.md#gpu-levers).
 
 Each kind has two paths, equal up to summation order, and a platform default (bench/probes/
 measures both): on XLA:CPU the form that runs fast there, elsewhere one XLA convolution.
