@@ -165,9 +165,26 @@ def naive_moments_exchange(x, rep: Replicas):
     return m1, m2 - m1 * m1
 
 
+def chan_bound(count: int, offset: float, rows: int, shift: float = 1.0) -> float:
+    """The most f32 can leave of Chan's combined variance, relative, for ``count`` shards of
+    ``rows`` unit-normal values near ``offset``, shard r shifted by r ``shift``. A shard mean is
+    off by at most half an ulp of ``offset`` (its rounding) plus the worst case of summing its
+    rows in f32, (rows - 1) u |x|; the global mean, the mean of the shard means, adds its own.
+    The term (mu_r - mu)^2 carries the error of mu_r - mu times 2 |mu_r - mu| <= (R - 1) shift,
+    against the variance 1 + shift^2 (R^2 - 1) / 12. The shard variances, of differences
+    x - mu_r that f32 forms exactly, add only that error's square."""
+    u, top = 2.0**-24, offset + count * shift
+    half_ulp = float(np.spacing(np.float32(offset))) / 2
+    shard_mean = half_ulp + (rows - 1) * u * top
+    diff = 2 * shard_mean + half_ulp + (count - 1) * u * top  # mu_r - mu
+    var = 1 + shift**2 * (count**2 - 1) / 12
+    return ((count - 1) * shift * diff + diff**2) / var
+
+
 def variance_exchange_errors(count: int, rng, *, offset: float = 1e4, n=4, h=4, c=8):
     """Relative error of the global variance from f32 shards sharing a large offset, against the
-    float64 variance of the same f32 values: (Chan's two-round form, the naive one-round form)."""
+    float64 variance of the same f32 values: (Chan's two-round form, the naive one-round form,
+    `chan_bound`)."""
     x64 = dp.shift_shards(normal(rng, (count * n, h, h, c), offset), count, 1.0)
     x32 = x64.astype(jnp.float32)
     truth = jnp.var(x32.astype(jnp.float64), axis=(0, 1, 2))  # of the values the replicas hold
@@ -176,4 +193,4 @@ def variance_exchange_errors(count: int, rng, *, offset: float = 1e4, n=4, h=4, 
                           dp.REPLICATED)(x32)
     naive = dp.replica_map(lambda x: naive_moments_exchange(x, rep)[1], count, dp.BATCH,
                            dp.REPLICATED)(x32)
-    return rel_err(chan, truth), rel_err(naive, truth)
+    return rel_err(chan, truth), rel_err(naive, truth), chan_bound(count, offset, n * h * h)

@@ -74,11 +74,13 @@ def show(report, seconds: float, console: Console | None = None) -> None:
                     f"{min(c.err for c in cs):.1e}",
                     "[green]caught[/]" if not any(c.ok for c in cs) else "[red]MISSED[/]")
     if report.variance:
-        naive = min(nv for _, _, nv in report.variance)
-        chan = max(ch for _, ch, _ in report.variance)
+        naive = min(nv for _, _, nv, _ in report.variance)
+        chan = max(ch for _, ch, _, _ in report.variance)
+        held = all(ch <= bd for _, ch, _, bd in report.variance)
         ctl.add_row(escape("E[x^2]-E[x]^2"), "f32 variance at offset 1e4",
-                    ",".join(str(r) for r, _, _ in report.variance),
+                    ",".join(str(r) for r, *_ in report.variance),
                     f"{naive:.1e} (Chan {chan:.1e})",
+                    "[red]Chan over its bound[/]" if not held else
                     "[green]caught[/]" if naive > 100 * chan else "[red]MISSED[/]")
     console.print(ctl)
     n_ok = sum(c.ok for c in report.checks)
