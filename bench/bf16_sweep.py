@@ -8,13 +8,14 @@ holds the same matrix (tests/test_tie.py::test_bf16_sweep, ::test_bf16_controls_
                bf16 bound's norm (docs/tie.md#bf16): near 1 the programs differ by the
                partial-sum boundary itself, as they must
 
-With --gpu-levers both programs take a GPU's levers (`twinstep.program.GPU_LEVERS`: symmetric
-padding, one-pass BN moments) and the table goes to "bf16 tie sweep, a GPU's levers"; with
---store bf16 too, they store activations and cotangents in bf16 (docs/precision.md#bf16-storage)
-and it goes to "bf16 tie sweep, a GPU's levers, stored in bf16".
+With --gpu-levers both programs are built as a GPU's (`twinstep.program.GPU_LEVERS`: cuDNN's
+conv paths, symmetric padding, one-pass BN moments) and the table goes to "bf16 tie sweep, a
+GPU's levers"; with --store bf16 too, they store activations and cotangents in bf16
+(docs/precision.md#bf16-storage) and it goes to "bf16 tie sweep, a GPU's levers, stored in
+bf16"; --depthwise-path phased ties that candidate lowering (", phased depthwise").
 
     python bench/bf16_sweep.py [--replicas 2 4 8] [--batches 1 2 3] [--gpu-levers]
-                               [--store bf16]
+                               [--store bf16] [--depthwise-path PATH] [--nets resnet50 mnv4]
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ NETS = ("resnet50", "mnv4")
 CONTROLS = ("divisor-plus-one", "unsynced")
 
 
-def _one_r(replicas: int, cases: list, gpu_levers: bool, store: str | None) -> list:
+def _one_r(replicas: int, cases: list, gpu_levers: bool, store: str | None,
+           depthwise_path: str | None) -> list:
     """Run ``cases`` [(net, N, res, control)] at R = ``replicas`` in this process."""
     import jax
 
@@ -44,7 +46,7 @@ def _one_r(replicas: int, cases: list, gpu_levers: bool, store: str | None) -> l
     for net, batch, res, control in cases:
         r = twinstep.tie(net, replicas=replicas, batch=batch, res=res, precision="bf16",
                          control=control, fast_compile=net == "mnv4", gpu_levers=gpu_levers,
-                         store=store)
+                         store=store, depthwise_path=depthwise_path)
         convs = [p for p in r.parameters if len(p["shape"]) == 4]
         rows.append({"net": net, "R": replicas, "N": batch, "res": res, "control": control,
                      "status": r.status, "ok": sum(p["ok"] for p in r.parameters),
@@ -60,21 +62,22 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--gpu-levers", action="store_true", help="tie with a GPU's levers")
     p.add_argument("--store", choices=["bf16"], help="store activations and cotangents in bf16")
+    p.add_argument("--depthwise-path", choices=["shift", "grouped", "phased"],
+                   help="both programs' depthwise lowering (default: the levers')")
+    p.add_argument("--nets", nargs="+", choices=NETS, default=list(NETS))
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: one R
     args = p.parse_args()
     if args.one is not None:
-        cases = [(net, n, 32, "none") for net in NETS for n in args.batches]
+        cases = [(net, n, 32, "none") for net in args.nets for n in args.batches]
         if args.one == 2:
-            cases += [(net, 2, 64, "none") for net in NETS]
-            cases += [(net, 2, 32, c) for net in NETS for c in CONTROLS]
-        _one_r(args.one, cases, args.gpu_levers, args.store)
+            cases += [(net, 2, 64, "none") for net in args.nets]
+            cases += [(net, 2, 32, c) for net in args.nets for c in CONTROLS]
+        _one_r(args.one, cases, args.gpu_levers, args.store, args.depthwise_path)
         return
     rows = []
     for replicas in args.replicas:
-        out = subprocess.run([sys.executable, __file__, "--one", str(replicas), "--batches",
-                              *map(str, args.batches), *(["--gpu-levers"] * args.gpu_levers),
-                              *(["--store", args.store] if args.store else [])],
-                             capture_output=True, text=True,
+        out = subprocess.run([sys.executable, __file__, "--one", str(replicas),
+                              *sys.argv[1:]], capture_output=True, text=True,
                              check=True).stdout
         rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     lines = ["| net | R | N | res | control | verdict | tensors within | worst conv |",
@@ -85,12 +88,15 @@ def main() -> None:
     ties = [r for r in rows if r["control"] == "none"]
     controls = [r for r in rows if r["control"] != "none"]
     levers = (", a GPU's levers" if args.gpu_levers else "") + (
-        f", stored in {args.store}" if args.store else "")
-    flags = " --gpu-levers" * args.gpu_levers + (f" --store {args.store}" if args.store else "")
+        f", stored in {args.store}" if args.store else "") + (
+        f", {args.depthwise_path} depthwise" if args.depthwise_path else "")
+    flags = " --gpu-levers" * args.gpu_levers + (f" --store {args.store}" if args.store else
+                                                 "") + (
+        f" --depthwise-path {args.depthwise_path}" if args.depthwise_path else "")
     write_results(RESULTS, "bf16 tie sweep" + levers,
                   f"`twinstep tie NET --precision bf16{flags}` "
-                  f"(random-bn state, seed 0, K = 10) for both nets across R and N, and the "
-                  f"subtle controls at R = 2, N = 2.",
+                  f"(random-bn state, seed 0, K = 10) for {' and '.join(args.nets)} across R "
+                  f"and N, and the subtle controls at R = 2, N = 2.",
                   "python bench/bf16_sweep.py " + " ".join(sys.argv[1:]), "\n".join(lines),
                   f"{sum(r['status'] == 'tied' for r in ties)} of {len(ties)} ties hold; "
                   f"{sum(r['status'] == 'NOT tied' for r in controls)} of {len(controls)} "

@@ -68,7 +68,7 @@ def build(net_name: str, batch: int, res: int, classes: int, options: dict | Non
     lowered = made.step.lower(state, xs, ts, key)
     text = lowered.as_text()
     if conv.default_dense_path() != "conv":  # counted as a GPU's program computes it
-        gpu = program.Setup(precision="bf16", depthwise_path="grouped", dense_path="conv")
+        gpu = program.Setup(precision="bf16", **program.GPU_LEVERS)
         text = program.train_program(net, recipe, gpu, classes=classes).step.lower(
             state, xs, ts, key).as_text()
     macs = {"macs": stablehlo.macs(text), "useful_macs": stablehlo.macs(text, useful=True)}

@@ -9,6 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from twinstep.checking import cases, oracle
+from twinstep.errors import UsageError
 from twinstep.ops import windows
 
 batch = st.integers(1, 4)
@@ -35,7 +36,7 @@ def test_conv2d(n, h, ci, co, k, s, seed, path):
 
 
 @given(n=batch, h=spatial, c=channels, k=kernel, s=stride, seed=seed,
-       path=st.sampled_from(["shift", "grouped"]))
+       path=st.sampled_from(["shift", "grouped", "phased"]))
 def test_depthwise(n, h, c, k, s, seed, path):
     certify(cases.conv_case(np.random.default_rng(seed), n, h, c_in=c, c_out=c, k=k, stride=s,
                             depthwise=True, path=path), seed)
@@ -159,12 +160,45 @@ def test_uncropped_padding_is_the_same_forward(depthwise):
     assert texts[0] != texts[1]  # control: the switch reaches the net's convolutions
 
 
+@pytest.mark.parametrize("k", [3, 5])
+def test_phased_depthwise_input_vjp_reads_no_dilated_cotangent(k):
+    """The phased path's strided input VJP (twinstep.ops.conv) is the grouped path's up to
+    summation order (f64, 1e-15, the phases' sizes with and without an unread row; the VJP
+    itself is certified with every path in test_depthwise) and convolves the cotangent
+    undilated, in s^2 = 4 stride-1 convolutions. Control: the grouped path's one convolution
+    dilates it; and at stride 1 the two paths are one program."""
+    from twinstep.ops import conv
+    from twinstep.ops.precision import F64
+    from twinstep.processes import settings
+
+    rng = np.random.default_rng(k)
+    with settings.jax_settings(jax_enable_x64=True):
+        for h, s in ((9, 2), (10, 2), (9, 1)):
+            x = jnp.asarray(rng.standard_normal((2, h, h, 3)))
+            w = jnp.asarray(rng.standard_normal((3, 1, k, k)))
+            dy = jnp.asarray(rng.standard_normal((2, conv.conv_out_size(h, k, s),
+                                                  conv.conv_out_size(h, k, s), 3)))
+            res = {path: conv.depthwise_forward(x, w, s, F64, path)[1]
+                   for path in ("grouped", "phased")}
+            dx = jax.jit(lambda res, dy: conv.depthwise_vjp(res, dy)[0])
+            np.testing.assert_allclose(dx(res["phased"], dy), dx(res["grouped"], dy),
+                                       rtol=0, atol=1e-15 * float(jnp.max(jnp.abs(dy))) * k * k)
+            texts = {path: dx.lower(r, dy).as_text() for path, r in res.items()}
+            if s == 1:
+                assert texts["phased"] == texts["grouped"]
+                continue
+            assert "lhs_dilate = [2, 2]" in texts["grouped"]  # control
+            assert "lhs_dilate = [2, 2]" not in texts["phased"]
+            assert texts["phased"].count("stablehlo.convolution") == 4
+
+
 def test_a_gpu_takes_its_levers_and_every_other_platform_the_others():
     """A Setup that leaves the levers None takes the platform's (docs/precision.md#gpu-levers):
-    a GPU's (jax's gpu, jax.export's cuda and rocm) pad both sides and take one-pass BN moments,
-    this CPU's crop and take two-pass; one-pass moments equal two-pass in f64 to rounding, and
-    an unknown kind is refused. Control: the two moments' programs differ, so the lever is not
-    a no-op."""
+    a GPU's (jax's gpu, jax.export's cuda and rocm) run the conv paths cuDNN takes, pad both
+    sides and take one-pass BN moments, this CPU's its fast conv paths, crop and take two-pass;
+    `twinstep tie --gpu-levers` builds a GPU's, ``--depthwise-path`` overrides its path; one-pass
+    moments equal two-pass in f64 to rounding, and an unknown kind is refused. Control: the two
+    moments' programs differ, so the lever is not a no-op."""
     from twinstep import program
     from twinstep.checking import tie
     from twinstep.ops import batchnorm
@@ -183,6 +217,10 @@ def test_a_gpu_takes_its_levers_and_every_other_platform_the_others():
         setup = tie.TieConfig(gpu_levers=gpu_levers).setup(BF16)  # `twinstep tie --gpu-levers`
         for ctx in (setup.context(), setup.single().context()):
             assert {k: getattr(ctx, k) for k in want} == want
+        setup = tie.TieConfig(gpu_levers=gpu_levers, depthwise_path="phased").setup(BF16)
+        assert setup.context().depthwise_path == "phased"
+    with pytest.raises(UsageError, match="unknown --depthwise-path"):
+        tie.TieConfig(depthwise_path="dilated")
     x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 3, 3, 5)) * 3 + 2)
     two, one = (jax.jit(lambda x, m=m: batchnorm.bn_forward_site(x, moments=m)) for m in
                 batchnorm.MOMENTS)

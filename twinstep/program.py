@@ -33,13 +33,19 @@ from twinstep import dp, optim, step
 from twinstep.collectives import SINGLE
 from twinstep.data import device_ops, transforms
 from twinstep.nets import Net, layers
+from twinstep.ops import conv
 from twinstep.ops.precision import Precision, get_precision
 from twinstep.processes import cluster, settings
 
-# What a GPU's programs take where a Setup leaves a lever None, each faster there in one A/B run
-# and tied in bf16 (docs/precision.md#gpu-levers); every other platform takes the other value.
-GPU_LEVERS = {"crop_unread": False, "bn_moments": "one-pass"}
-CPU_LEVERS = {"crop_unread": True, "bn_moments": "two-pass"}
+# What a GPU's programs take where a Setup leaves a lever None: the conv paths XLA:GPU runs as
+# cuDNN convolutions, and two levers each faster there in one A/B run, all tied in bf16
+# (docs/precision.md#gpu-levers); every other platform takes the other values.
+GPU_LEVERS = {"dense_path": conv.default_dense_path("gpu"),
+              "depthwise_path": conv.default_depthwise_path("gpu"),
+              "crop_unread": False, "bn_moments": "one-pass"}
+CPU_LEVERS = {"dense_path": conv.default_dense_path("cpu"),
+              "depthwise_path": conv.default_depthwise_path("cpu"),
+              "crop_unread": True, "bn_moments": "two-pass"}
 
 
 def platform_levers(platform: str | None = None) -> dict:
@@ -53,10 +59,10 @@ class Setup(NamedTuple):
     """Where and how a step program runs, one value for every factory: on ``replicas``
     replicas (R), at ``precision`` (`twinstep.ops.precision`), with a negative ``control``
     (`twinstep.collectives.CONTROLS`), by the conv paths ``depthwise_path`` and ``dense_path``
-    (None: the platform's), strided convolutions cropping their unread padding or not
-    (``crop_unread``: the same values; IREE compiles only the crop; `twinstep.ops.conv`) and
-    BN's moments two-pass or one-pass (``bn_moments``; `twinstep.ops.batchnorm.MOMENTS`); those
-    two None: the platform's (`platform_levers`). ``store``: "bf16" rounds activations and
+    (`twinstep.ops.conv`), strided convolutions cropping their unread padding or not
+    (``crop_unread``; IREE compiles only the crop) and BN's moments two-pass or one-pass
+    (``bn_moments``; `twinstep.ops.batchnorm.MOMENTS`); those four None: the platform's
+    (`platform_levers`). ``store``: "bf16" rounds activations and
     cotangents to bf16 between ops (`twinstep.ops.precision.Precision.store`; bf16 only)."""
 
     replicas: int = 1
@@ -82,9 +88,7 @@ class Setup(NamedTuple):
         precision = get_precision(self.precision)
         if self.store is not None:
             precision = dataclasses.replace(precision, store=self.store)
-        return layers.Ctx(rep, precision, train=train,
-                          depthwise_path=self.depthwise_path, dense_path=self.dense_path,
-                          **levers)
+        return layers.Ctx(rep, precision, train=train, **levers)
 
 
 ONE_DEVICE = Setup()  # the factories' default: one device, f32, the platform's conv paths

@@ -25,6 +25,7 @@ from twinstep.checking.bounds import grad_err, host, rel
 from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS, MASK_CONTROLS
 from twinstep.errors import UsageError
 from twinstep.nets import NETS, get_net
+from twinstep.ops import conv
 from twinstep.ops import loss as losses
 from twinstep.ops.precision import NAMES as PRECISIONS
 from twinstep.ops.precision import Precision
@@ -65,6 +66,7 @@ class TieConfig:
     state: str | None = None  # STATES; None: PRECISION_DEFAULTS's
     gpu_levers: bool = False  # program.GPU_LEVERS on any platform (docs/precision.md#gpu-levers)
     store: str | None = None  # "bf16": Precision.store (docs/precision.md#bf16-storage)
+    depthwise_path: str | None = None  # None: the levers' (`twinstep.ops.conv.DEPTHWISE_PATHS`)
 
     def __post_init__(self):
         if self.net not in NETS:
@@ -85,6 +87,9 @@ class TieConfig:
             if getattr(self, field) not in (None, *allowed):
                 raise UsageError(f"unknown --{field} {getattr(self, field)!r}; choose from "
                                  f"{', '.join(allowed)}")
+        if self.depthwise_path not in (None, *conv.DEPTHWISE_PATHS):
+            raise UsageError(f"unknown --depthwise-path {self.depthwise_path!r}; choose from "
+                             f"{', '.join(conv.DEPTHWISE_PATHS)}")
         if self.store not in (None, "bf16") or (self.store and self.precision != "bf16"):
             raise UsageError(f"--store {self.store} needs --precision bf16 (only bf16 stores "
                              f"activations in bf16)")
@@ -113,8 +118,11 @@ class TieConfig:
     def setup(self, prec: Precision) -> program.Setup:
         """The replica side's `twinstep.program.Setup` at ``prec``; ``.single()`` is the
         single device it is tied to. Its levers are this platform's, or a GPU's with
-        ``gpu_levers``."""
-        levers = program.GPU_LEVERS if self.gpu_levers else {}
+        ``gpu_levers`` (`program.GPU_LEVERS`: its conv paths too), either with
+        ``depthwise_path`` in place of theirs."""
+        levers = dict(program.GPU_LEVERS if self.gpu_levers else {})
+        if self.depthwise_path:
+            levers["depthwise_path"] = self.depthwise_path
         return program.Setup(self.replicas, prec, self.control, store=self.store, **levers)
 
 

@@ -25,6 +25,7 @@ def add(p) -> None:
     from twinstep.checking.tie import PRECISION_DEFAULTS, STATES, TieConfig
     from twinstep.collectives import CONTROLS
     from twinstep.nets import NETS
+    from twinstep.ops import conv
     from twinstep.ops.precision import NAMES as PRECISIONS
 
     default = options.defaults(TieConfig)
@@ -60,9 +61,14 @@ def add(p) -> None:
                                        for k, v in PRECISION_DEFAULTS.items()))
     step.add_argument("--control", choices=sorted(CONTROLS), help="a negative control")
     step.add_argument("--gpu-levers", action="store_const", const=True,
-                      help="build both programs with the levers a GPU's programs take "
-                           "(symmetric padding, one-pass BN moments), to tie them on this "
-                           "machine (docs/precision.md#gpu-levers)")
+                      help="build both programs as a GPU's are built (cuDNN's conv paths, "
+                           "symmetric padding, one-pass BN moments), to tie them on this "
+                           "machine; its grouped depthwise convolutions run slowly on a CPU "
+                           "(docs/precision.md#gpu-levers)")
+    step.add_argument("--depthwise-path", choices=conv.DEPTHWISE_PATHS,
+                      help="how both programs lower a depthwise convolution (default: the "
+                           "platform's, or a GPU's with --gpu-levers; phased: a GPU "
+                           "candidate, docs/precision.md#gpu-levers)")
     step.add_argument("--store", choices=["bf16"],
                       help="with --precision bf16: round every activation and cotangent to "
                            "bf16 between ops, as timm's AMP stores them; a GPU lever not yet "
@@ -166,6 +172,7 @@ def show_step(report, show_all: bool = False, seconds: float | None = None,
                   f"{c.replicas * c.batch}; {c.res}², K = {c.classes}, loss {c.loss}, "
                   f"{c.precision}, shift {'on' if c.shift else 'off'}, control {c.control}"
                   + (", a GPU's levers" if c.gpu_levers else "")
+                  + (f", {c.depthwise_path} depthwise" if c.depthwise_path else "")
                   + (f", stored in {c.store}" if c.store else ""))
     rows = sorted(report.parameters, key=lambda p: -p["rel_err"] / max(p["bound"], 1e-300))
     shown = report.parameters if show_all else rows[:10]

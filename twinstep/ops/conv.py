@@ -20,6 +20,11 @@ measures both): on XLA:CPU the form that runs fast there, elsewhere one XLA conv
   the same products as matrix multiplications.
 - depthwise: ``grouped`` (one XLA convolution with ``feature_group_count = C``) and ``shift``
   (k^2 strided slices, multiply-adds); XLA:CPU runs the grouped form pathologically slowly.
+  ``phased`` is ``grouped`` but for a strided convolution's input VJP: where ``grouped``
+  correlates the zero-interleaved cotangent, s^2 times its size, with the whole kernel (XLA:GPU
+  materialises that copy and never hands a grouped convolution to cuDNN's backward-data), it
+  runs one stride-1 grouped convolution per stride phase, with the kernel taps that reach that
+  phase, and interleaves the s^2 results: the same products, none with a zero.
 The ``matmul`` and ``shift`` paths multiply-add conv-dtype operands in the base dtype and round
 their results to the conv dtype once, at the end.
 """
@@ -34,7 +39,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from twinstep.ops.precision import F32, Precision, round_to
-from twinstep.ops.windows import pad_hw, scatter_windows, unpadded_tap, window
+from twinstep.ops.windows import (
+    interleave_phases,
+    pad_hw,
+    scatter_windows,
+    unpadded_tap,
+    window,
+)
 
 
 def conv_padding(k: int) -> int:
@@ -61,7 +72,7 @@ class ConvRes:
     w: jax.Array  # [Co, Ci, k, k] or [C, 1, k, k]
     stride: int
     precision: Precision
-    path: str = "conv"  # dense: "conv" | "matmul"; depthwise: "grouped" | "shift"
+    path: str = "conv"  # dense: "conv" | "matmul"; depthwise: "grouped" | "shift" | "phased"
 
 
 def _conv(lhs, rhs, precision, dims, result_dtype=None, **kw):
@@ -81,7 +92,7 @@ def _conv(lhs, rhs, precision, dims, result_dtype=None, **kw):
 
 
 DENSE_PATHS = ("conv", "matmul")
-DEPTHWISE_PATHS = ("shift", "grouped")
+DEPTHWISE_PATHS = ("shift", "grouped", "phased")
 
 
 def _on_cpu(platform: str | None) -> bool:
@@ -227,11 +238,13 @@ def depthwise_forward(x, w, stride: int = 1, precision: Precision = F32, path: s
     """y [N, Ho, Wo, C] = depthwise conv(x [N, H, W, C], w [C, 1, k, k]); returns (y, ConvRes).
     ``crop_unread``: the ``grouped`` path's padding (module docstring)."""
     path = path or default_depthwise_path()
-    if path == "grouped":
-        return _grouped_forward(x, w, stride, precision, groups=x.shape[-1],
-                                crop_unread=crop_unread)
+    if path in ("grouped", "phased"):
+        y, res = _grouped_forward(x, w, stride, precision, groups=x.shape[-1],
+                                  crop_unread=crop_unread)
+        return y, dataclasses.replace(res, path=path)
     if path != "shift":
-        raise ValueError(f"unknown depthwise path {path!r}; choose 'shift' or 'grouped'")
+        raise ValueError(f"unknown depthwise path {path!r}; choose from "
+                         f"{', '.join(DEPTHWISE_PATHS)}")
     cd = precision.conv_dtype
     xc, wc = round_to(x, cd), round_to(w, cd)
     k = w.shape[2]
@@ -245,9 +258,11 @@ def depthwise_forward(x, w, stride: int = 1, precision: Precision = F32, path: s
 
 def depthwise_vjp(res: ConvRes, dy):
     """(dx [N, H, W, C], dw [C, 1, k, k]) for the cotangent dy [N, Ho, Wo, C]."""
-    if res.path == "grouped":
+    if res.path in ("grouped", "phased"):
         groups = res.x.shape[-1]
-        return _grouped_input_vjp(res, dy, groups), _grouped_weight_vjp(res, dy, groups)
+        phased = res.path == "phased" and res.stride > 1
+        dx = _phased_input_vjp(res, dy) if phased else _grouped_input_vjp(res, dy, groups)
+        return dx, _grouped_weight_vjp(res, dy, groups)
     x, w, s, precision = res.x, res.w, res.stride, res.precision
     k, p = w.shape[2], conv_padding(w.shape[2])
     n, h, wd, c = x.shape
@@ -263,6 +278,27 @@ def depthwise_vjp(res: ConvRes, dy):
     dw = jnp.stack([jnp.zeros((c,), acc) if t is None else jnp.sum(t[0] * t[1], axis=(0, 1, 2))
                     for t in taps], axis=-1).reshape(c, 1, k, k)
     return _round(dx, precision), (_round(dw, precision) if precision.round_weight_grads else dw)
+
+
+def _phased_input_vjp(res: ConvRes, dy):
+    """dx of a strided depthwise convolution, one stride phase at a time: padded row py + s i
+    takes dy[i - u] w[py + s u] over u (`scatter_windows`' arithmetic), a stride-1 correlation
+    of dy with the flipped taps w[:, :, py::s, px::s]."""
+    x, w, s = res.x, res.w, res.stride
+    n, h, wd, c = x.shape
+    p = conv_padding(w.shape[2])
+    hp, wp = h + 2 * p, wd + 2 * p
+    mh, mw = -(-hp // s), -(-wp // s)  # rows / columns of a phase
+    ho, wo = dy.shape[1:3]
+    phases = []
+    for py in range(s):
+        for px in range(s):
+            taps = jnp.flip(w[:, :, py::s, px::s], (2, 3))  # [C, 1, ku, kv]
+            ku, kv = taps.shape[2:]
+            phases.append(None if ku * kv == 0 else _conv(
+                dy, taps, res.precision, ("NHWC", "OIHW", "NHWC"), window_strides=(1, 1),
+                padding=[(ku - 1, mh - ho), (kv - 1, mw - wo)], feature_group_count=c))
+    return interleave_phases(phases, s, hp, wp)[:, p:p + h, p:p + wd, :]
 
 
 def _round(y, precision: Precision):

@@ -77,9 +77,15 @@ def scatter_windows(tap, k: int, hp: int, wp: int, s: int):
                     terms.append(lax.pad(t, jnp.zeros((), t.dtype), (
                         (0, 0, 0), (u, mh - ho - u, 0), (v, mw - wo - v, 0), (0, 0, 0))))
             phases.append(functools.reduce(operator.add, terms) if terms else None)
+    return interleave_phases(phases, s, hp, wp)
+
+
+def interleave_phases(phases: list, s: int, hp: int, wp: int):
+    """[N, hp, wp, C] whose row py + s i, column px + s j is ``phases[py s + px]`` [N, mh, mw, C]
+    at (i, j), mh = ceil(hp / s), mw = ceil(wp / s); a phase None (no tap reaches it) is zeros."""
     like = next(ph for ph in phases if ph is not None)
     phases = [jnp.zeros_like(like) if ph is None else ph for ph in phases]  # k < s: no tap
-    n, c = like.shape[0], like.shape[3]
+    n, mh, mw, c = like.shape
     # [N, mh, s (py), mw, s (px), C] -> [N, mh s, mw s, C], cropped to the padded grid
     grid = jnp.stack(phases, axis=3).reshape(n, mh, mw, s, s, c).transpose(0, 1, 3, 2, 4, 5)
     return grid.reshape(n, mh * s, mw * s, c)[:, :hp, :wp]

@@ -28,7 +28,6 @@ from twinstep import dp, presets, program, recipes, step
 from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS
 from twinstep.errors import RenderError
 from twinstep.nets import get_net
-from twinstep.ops import conv
 from twinstep.ops.precision import NAMES as PRECISIONS
 from twinstep.ops.precision import get_precision
 from twinstep.processes import disk, settings
@@ -166,16 +165,14 @@ def export_step(cfg: RenderConfig, single: bool = False) -> Export:
     recipe, net = cfg.recipe, get_net(cfg.recipe.net)
     prec = get_precision(cfg.precision)
     platform = cfg.platform or local_platform()
-    depthwise = "grouped" if cfg.target == "iree" else conv.default_depthwise_path(platform)
     replicas = 1 if single else cfg.replicas
     mesh = dp.abstract_mesh(replicas) if replicas > 1 else None
     with settings.jax_settings(jax_enable_x64=prec.name == "f64",
                               jax_traceback_in_locations_limit=0):
-        levers = program.platform_levers(platform)
-        if cfg.target == "iree":
-            levers["crop_unread"] = True  # IREE compiles only the cropped padding
-        setup = program.Setup(replicas, prec, "none" if single else cfg.control,
-                              depthwise_path=depthwise, dense_path="conv", **levers)
+        levers = {**program.platform_levers(platform), "dense_path": "conv"}
+        if cfg.target == "iree":  # IREE compiles only the cropped padding
+            levers.update(depthwise_path="grouped", crop_unread=True)
+        setup = program.Setup(replicas, prec, "none" if single else cfg.control, **levers)
         made = program.train_program(net, recipe, setup, classes=cfg.classes, mesh=mesh,
                                      flat=True)
         leaves = jax.tree.leaves(made.state)
@@ -193,7 +190,7 @@ def export_step(cfg: RenderConfig, single: bool = False) -> Export:
         if (a.shape, a.dtype) != (b.shape, b.dtype):  # the step must map a state onto its own type
             raise AssertionError(f"{n}: the step takes {a.dtype}{list(a.shape)} and returns "
                                  f"{b.dtype}{list(b.shape)}")
-    return Export(exported, recipe, cfg.res, prec.name, depthwise, names,
+    return Export(exported, recipe, cfg.res, prec.name, levers["depthwise_path"], names,
                   [list(sp) for sp in made.in_specs])
 
 
