@@ -283,22 +283,28 @@ def depthwise_vjp(res: ConvRes, dy):
 def _phased_input_vjp(res: ConvRes, dy):
     """dx of a strided depthwise convolution, one stride phase at a time: padded row py + s i
     takes dy[i - u] w[py + s u] over u (`scatter_windows`' arithmetic), a stride-1 correlation
-    of dy with the flipped taps w[:, :, py::s, px::s]."""
+    of dy with the flipped taps w[:, :, py::s, px::s]. Phase (qy, qx) of dx, its rows qy + s j,
+    is padded row p + qy + s j: phase py = (p + qy) mod s from its row (p + qy) // s on, so
+    no padded row is computed and cropped."""
     x, w, s = res.x, res.w, res.stride
     n, h, wd, c = x.shape
     p = conv_padding(w.shape[2])
-    hp, wp = h + 2 * p, wd + 2 * p
-    mh, mw = -(-hp // s), -(-wp // s)  # rows / columns of a phase
     ho, wo = dy.shape[1:3]
+    mh, mw = -(-h // s), -(-wd // s)  # rows / columns of a phase of dx
+
+    def pads(q, size, m, taps):  # a phase's rows start at padded-phase row (p + q) // s
+        low = taps - 1 - (p + q) // s
+        return low, m + taps - 1 - size - low
+
     phases = []
-    for py in range(s):
-        for px in range(s):
-            taps = jnp.flip(w[:, :, py::s, px::s], (2, 3))  # [C, 1, ku, kv]
+    for qy in range(s):
+        for qx in range(s):
+            taps = jnp.flip(w[:, :, (p + qy) % s::s, (p + qx) % s::s], (2, 3))  # [C, 1, ku, kv]
             ku, kv = taps.shape[2:]
             phases.append(None if ku * kv == 0 else _conv(
                 dy, taps, res.precision, ("NHWC", "OIHW", "NHWC"), window_strides=(1, 1),
-                padding=[(ku - 1, mh - ho), (kv - 1, mw - wo)], feature_group_count=c))
-    return interleave_phases(phases, s, hp, wp)[:, p:p + h, p:p + wd, :]
+                padding=[pads(qy, ho, mh, ku), pads(qx, wo, mw, kv)], feature_group_count=c))
+    return interleave_phases(phases, s, h, wd)
 
 
 def _round(y, precision: Precision):
