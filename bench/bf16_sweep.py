@@ -12,7 +12,7 @@ With --gpu-levers both programs are built as a GPU's (`twinstep.program.GPU_LEVE
 conv paths, symmetric padding, one-pass BN moments) and the table goes to "bf16 tie sweep, a
 GPU's levers"; with --store bf16 too, they store activations and cotangents in bf16
 (docs/precision.md#bf16-storage) and it goes to "bf16 tie sweep, a GPU's levers, stored in
-bf16"; --depthwise-path phased ties that candidate lowering (", phased depthwise").
+bf16"; --depthwise-path ties a candidate depthwise lowering (", phased depthwise").
 
     python bench/bf16_sweep.py [--replicas 2 4 8] [--batches 1 2 3] [--gpu-levers]
                                [--store bf16] [--depthwise-path PATH] [--nets resnet50 mnv4]
@@ -62,7 +62,9 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--gpu-levers", action="store_true", help="tie with a GPU's levers")
     p.add_argument("--store", choices=["bf16"], help="store activations and cotangents in bf16")
-    p.add_argument("--depthwise-path", choices=["shift", "grouped", "phased"],
+    from twinstep.ops.conv import DEPTHWISE_PATHS  # imports jax, initialises no backend
+
+    p.add_argument("--depthwise-path", choices=DEPTHWISE_PATHS,
                    help="both programs' depthwise lowering (default: the levers')")
     p.add_argument("--nets", nargs="+", choices=NETS, default=list(NETS))
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: one R

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from twinstep.checking import cases, oracle
 from twinstep.errors import UsageError
-from twinstep.ops import windows
+from twinstep.ops import conv, windows
 
 batch = st.integers(1, 4)
 channels = st.integers(1, 8)
@@ -36,7 +36,7 @@ def test_conv2d(n, h, ci, co, k, s, seed, path):
 
 
 @given(n=batch, h=spatial, c=channels, k=kernel, s=stride, seed=seed,
-       path=st.sampled_from(["shift", "grouped", "phased"]))
+       path=st.sampled_from(conv.DEPTHWISE_PATHS))
 def test_depthwise(n, h, c, k, s, seed, path):
     certify(cases.conv_case(np.random.default_rng(seed), n, h, c_in=c, c_out=c, k=k, stride=s,
                             depthwise=True, path=path), seed)
@@ -190,6 +190,29 @@ def test_phased_depthwise_input_vjp_reads_no_dilated_cotangent(k):
             assert "lhs_dilate = [2, 2]" in texts["grouped"]  # control
             assert "lhs_dilate = [2, 2]" not in texts["phased"]
             assert texts["phased"].count("stablehlo.convolution") == 4
+
+
+def test_one_pass_depthwise_weight_vjp_reduces_once():
+    """The shift-one-pass path's weight VJP (twinstep.ops.conv) is the shift path's up to
+    summation order (f64, 1e-13 of its largest element) and is one reduction of all k^2 taps'
+    products. Control: the shift path's takes k^2 = 25."""
+    from twinstep.ops.precision import F64
+    from twinstep.processes import settings
+
+    rng = np.random.default_rng(0)
+    with settings.jax_settings(jax_enable_x64=True):
+        x = jnp.asarray(rng.standard_normal((2, 9, 9, 3)))
+        w = jnp.asarray(rng.standard_normal((3, 1, 5, 5)))
+        dy = jnp.asarray(rng.standard_normal((2, 5, 5, 3)))
+        res = {path: conv.depthwise_forward(x, w, 2, F64, path)[1]
+               for path in ("shift", "shift-one-pass")}
+        dw = jax.jit(lambda res, dy: conv.depthwise_vjp(res, dy)[1])
+        want = dw(res["shift"], dy)
+        np.testing.assert_allclose(dw(res["shift-one-pass"], dy), want, rtol=0,
+                                   atol=1e-13 * float(jnp.max(jnp.abs(want))))
+        reductions = {path: dw.lower(r, dy).as_text().count("stablehlo.reduce")
+                      for path, r in res.items()}
+    assert reductions == {"shift": 25, "shift-one-pass": 1}
 
 
 def test_a_gpu_takes_its_levers_and_every_other_platform_the_others():

@@ -266,10 +266,11 @@ def test_bf16_storage_ties_and_a_control_fails():
 
 
 # the bf16 variants test-all ties: this machine's levers, a GPU's, a GPU's with bf16 storage,
-# a GPU's with the phased depthwise input VJP (MobileNetV4 only: ResNet-50 has no depthwise)
+# a GPU's with each candidate depthwise path (MobileNetV4 only: ResNet-50 has no depthwise)
 BF16_VARIANTS = {"cpu": {}, "gpu": {"gpu_levers": True},
                  "gpu-store": {"gpu_levers": True, "store": "bf16"},
-                 "gpu-phased": {"gpu_levers": True, "depthwise_path": "phased"}}
+                 "gpu-phased": {"gpu_levers": True, "depthwise_path": "phased"},
+                 "gpu-shift-one-pass": {"gpu_levers": True, "depthwise_path": "shift-one-pass"}}
 BF16_NET_VARIANTS = [pytest.param(net, v, id=f"{net}-{name}")
                      for net in ("resnet50", "mnv4") for name, v in BF16_VARIANTS.items()
                      if net == "mnv4" or "depthwise_path" not in v]

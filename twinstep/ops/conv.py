@@ -25,6 +25,10 @@ measures both): on XLA:CPU the form that runs fast there, elsewhere one XLA conv
   materialises that copy and never hands a grouped convolution to cuDNN's backward-data), it
   runs one stride-1 grouped convolution per stride phase, with the kernel taps that reach that
   phase, and interleaves the s^2 results: the same products, none with a zero.
+  ``shift-one-pass`` is ``shift`` but for its weight VJP: where ``shift`` sums each tap's
+  products over the outputs that read the input itself, k^2 reductions each reading x and dy,
+  it reduces all k^2 taps' products (of the padded input's windows) at once, in one read of
+  each; on XLA:CPU the k^2 reductions are faster (bench/probes/depthwise.py).
 The ``matmul`` and ``shift`` paths multiply-add conv-dtype operands in the base dtype and round
 their results to the conv dtype once, at the end.
 """
@@ -72,7 +76,7 @@ class ConvRes:
     w: jax.Array  # [Co, Ci, k, k] or [C, 1, k, k]
     stride: int
     precision: Precision
-    path: str = "conv"  # dense: "conv" | "matmul"; depthwise: "grouped" | "shift" | "phased"
+    path: str = "conv"  # dense: DENSE_PATHS; depthwise: DEPTHWISE_PATHS
 
 
 def _conv(lhs, rhs, precision, dims, result_dtype=None, **kw):
@@ -92,7 +96,7 @@ def _conv(lhs, rhs, precision, dims, result_dtype=None, **kw):
 
 
 DENSE_PATHS = ("conv", "matmul")
-DEPTHWISE_PATHS = ("shift", "grouped", "phased")
+DEPTHWISE_PATHS = ("shift", "grouped", "phased", "shift-one-pass")
 
 
 def _on_cpu(platform: str | None) -> bool:
@@ -242,7 +246,7 @@ def depthwise_forward(x, w, stride: int = 1, precision: Precision = F32, path: s
         y, res = _grouped_forward(x, w, stride, precision, groups=x.shape[-1],
                                   crop_unread=crop_unread)
         return y, dataclasses.replace(res, path=path)
-    if path != "shift":
+    if path not in ("shift", "shift-one-pass"):
         raise ValueError(f"unknown depthwise path {path!r}; choose from "
                          f"{', '.join(DEPTHWISE_PATHS)}")
     cd = precision.conv_dtype
@@ -253,7 +257,7 @@ def depthwise_forward(x, w, stride: int = 1, precision: Precision = F32, path: s
     acc = precision.dtype  # bf16 operands multiply-add in the base dtype, as a conv does
     y = sum(window(xp, a, b, ho, wo, stride).astype(acc) * wc[:, 0, a, b].astype(acc)
             for a in range(k) for b in range(k))
-    return _round(y, precision), ConvRes(xc, wc, stride, precision, "shift")
+    return _round(y, precision), ConvRes(xc, wc, stride, precision, path)
 
 
 def depthwise_vjp(res: ConvRes, dy):
@@ -272,11 +276,17 @@ def depthwise_vjp(res: ConvRes, dy):
     wa = w.astype(acc)
     dxp = scatter_windows(lambda a, b: dyc * wa[:, 0, a, b], k, h + 2 * p, wd + 2 * p, s)
     dx = dxp[:, p:p + h, p:p + wd, :]
-    # dw: each tap's products over the outputs that read x itself (padding adds zeros)
     xa = x.astype(acc)
-    taps = [unpadded_tap(xa, dyc, a, b, p, s) for a in range(k) for b in range(k)]
-    dw = jnp.stack([jnp.zeros((c,), acc) if t is None else jnp.sum(t[0] * t[1], axis=(0, 1, 2))
-                    for t in taps], axis=-1).reshape(c, 1, k, k)
+    if res.path == "shift-one-pass":  # dw: all k^2 taps' products in one reduction
+        xp = pad_hw(xa, p)
+        ho, wo = dy.shape[1:3]
+        cols = jnp.stack([window(xp, a, b, ho, wo, s) for a in range(k) for b in range(k)], -1)
+        dw = jnp.sum(cols * dyc[..., None], axis=(0, 1, 2)).reshape(c, 1, k, k)
+    else:  # dw: each tap's products over the outputs that read x itself (padding adds zeros)
+        taps = [unpadded_tap(xa, dyc, a, b, p, s) for a in range(k) for b in range(k)]
+        dw = jnp.stack([jnp.zeros((c,), acc) if t is None else
+                        jnp.sum(t[0] * t[1], axis=(0, 1, 2)) for t in taps],
+                       axis=-1).reshape(c, 1, k, k)
     return _round(dx, precision), (_round(dw, precision) if precision.round_weight_grads else dw)
 
 
