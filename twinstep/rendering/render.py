@@ -170,7 +170,7 @@ def export_step(cfg: RenderConfig, single: bool = False) -> Export:
     with settings.jax_settings(jax_enable_x64=prec.name == "f64",
                               jax_traceback_in_locations_limit=0):
         levers = {**program.platform_levers(platform), "dense_path": "conv"}
-        if cfg.target == "iree":  # IREE compiles only the cropped padding
+        if cfg.target == "iree":  # IREE compiles grouped depthwise and only the cropped padding
             levers.update(depthwise_path="grouped", crop_unread=True)
         setup = program.Setup(replicas, prec, "none" if single else cfg.control, **levers)
         made = program.train_program(net, recipe, setup, classes=cfg.classes, mesh=mesh,
