@@ -1,6 +1,7 @@
 """Probe for the CPU default of the depthwise convolution (the shift path, twinstep/ops/conv.py):
-the two depthwise paths (grouped convolution vs k^2 shifted multiply-adds), forward + both VJPs,
-on MobileNetV4-Conv-M's depthwise layers at a small input.
+every depthwise path (`conv.DEPTHWISE_PATHS`: grouped convolutions, k^2 shifted multiply-adds,
+and their GPU candidates), forward + both VJPs, on MobileNetV4-Conv-M's depthwise layers at a
+small input.
 
     python bench/probes/depthwise.py [--res 64] [--batch 8] [--runs 7] [--precision f32]
 """
