@@ -28,7 +28,7 @@ measures both): on XLA:CPU the form that runs fast there, elsewhere one XLA conv
   ``shift-one-pass`` is ``shift`` but for its weight VJP: where ``shift`` sums each tap's
   products over the outputs that read the input itself, k^2 reductions each reading x and dy,
   it reduces all k^2 taps' products (of the padded input's windows) at once, in one read of
-  each; on XLA:CPU the k^2 reductions are faster (bench/probes/depthwise.py).
+  each; a GPU candidate (bench/probes/depthwise.py times every path on XLA:CPU).
 The ``matmul`` and ``shift`` paths multiply-add conv-dtype operands in the base dtype and round
 their results to the conv dtype once, at the end.
 """
