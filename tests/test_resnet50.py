@@ -89,9 +89,14 @@ def test_parity_with_timm_f64(res, batch, loss_kind):
 @pytest.mark.oracle
 @pytest.mark.slow
 def test_parity_with_timm_f32_logits():
+    """f32 logits within F32_ORACLE_FACTOR = 3 times timm's own f32 error against its f64
+    logits (parity.py): under 3e-4 in train mode, 1e-5 in eval, where a wrong net errs by
+    1e-3 and more (test_controls_fail_parity)."""
     r = parity.run_parity(resnet50, res=64, batch=4, precision="f32", loss="ce", num_classes=K,
                           seed=2, fast_compile=True)
-    assert r.logits_train_err <= 1e-4 and r.logits_eval_err <= 1e-4 and r.ok
+    assert r.logits_bounds[0] < 3e-4 and r.logits_bounds[1] < 1e-5
+    assert r.logits_train_err <= r.logits_bounds[0] and r.logits_eval_err <= r.logits_bounds[1]
+    assert r.ok
 
 
 def swap_gammas(params):

@@ -22,7 +22,12 @@ from twinstep.ops.precision import get_precision
 # In f32 only the logits are judged: two f32 implementations that sum in different orders
 # differ in gradients by what BN's few-row statistics amplify (seen: 4e-2 at 64², batch 4),
 # which says nothing about the network; the f64 run is the gradient check.
-LOGITS_BOUND = {"f64": 1e-9, "f32": 1e-4}
+# f32 logits have no fixed bound: timm's own f32 logits differ from its f64 logits by an amount
+# that changes with torch's thread count (8.1e-5 on one thread, 5.2e-5 on two, ResNet-50 at
+# 64², batch 4, train mode), and twinstep's differ from timm's by about 1.4 times that. The
+# bound is F32_ORACLE_FACTOR times timm's own f32 error, measured in the same run.
+LOGITS_BOUND = {"f64": 1e-9, "f32": None}
+F32_ORACLE_FACTOR = 3
 GRAD_BOUND = {"f64": 1e-8, "f32": None}
 BUFFER_BOUND = {"f64": 1e-9, "f32": None}
 
@@ -72,6 +77,7 @@ class ParityReport:
     logits_eval_err: float
     grad_errs: dict  # name -> norm-relative error, timm order
     buffer_err: float
+    logits_bounds: tuple = (None, None)  # (train, eval): LOGITS_BOUND's, or f32's derived ones
 
     @property
     def worst_grad(self) -> tuple[str, float]:
@@ -85,8 +91,8 @@ class ParityReport:
         def within(err, bound):
             return bound is None or err <= bound
 
-        return (within(self.logits_train_err, LOGITS_BOUND[p])
-                and within(self.logits_eval_err, LOGITS_BOUND[p])
+        return (within(self.logits_train_err, self.logits_bounds[0])
+                and within(self.logits_eval_err, self.logits_bounds[1])
                 and within(self.worst_grad[1], GRAD_BOUND[p])
                 and within(self.buffer_err, BUFFER_BOUND[p]))
 
@@ -158,8 +164,20 @@ def run_parity(net, *, res: int = 64, batch: int = 2, precision: str = "f64", lo
     def logit_err(a, b):
         return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
 
+    tlogits = tlogits.detach().numpy()
+    bounds = (LOGITS_BOUND[prec.name],) * 2
+    if prec.name == "f32":  # timm's own f32 error against timm in f64, same inputs and weights
+        truth = to_timm(net, params, buffers, num_classes, "float64")
+        t64 = torch.tensor(tx.numpy().astype(np.float64))
+        with torch.no_grad():
+            truth.eval()
+            eval64 = truth(t64).numpy()
+            truth.train()
+            train64 = truth(t64).numpy()
+        bounds = (F32_ORACLE_FACTOR * logit_err(tlogits, train64),
+                  F32_ORACLE_FACTOR * logit_err(teval, eval64))
     return ParityReport(
         net.NAME, prec.name, loss,
-        logit_err(logits, tlogits.detach().numpy()), logit_err(eval_logits, teval),
+        logit_err(logits, tlogits), logit_err(eval_logits, teval),
         {k: grad_err(k, grads, tgrads) for k in tgrads},
-        max(rel(new_buffers[k], tbuf[k]) for k in tbuf))
+        max(rel(new_buffers[k], tbuf[k]) for k in tbuf), bounds)

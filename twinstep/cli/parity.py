@@ -62,8 +62,8 @@ def show(r, res: int, batch: int, classes: int, console=None) -> None:
         lim = "reported only" if bound is None else f"bound {bound:.0e}"
         console.print(f"  {label:<34} {err:.2e}  ({lim}) {ok}")
 
-    line("logits, train mode (rel. max)", r.logits_train_err, parity.LOGITS_BOUND[p])
-    line("logits, eval mode (rel. max)", r.logits_eval_err, parity.LOGITS_BOUND[p])
+    line("logits, train mode (rel. max)", r.logits_train_err, r.logits_bounds[0])
+    line("logits, eval mode (rel. max)", r.logits_eval_err, r.logits_bounds[1])
     name, worst = r.worst_grad
     line(f"worst of {len(r.grad_errs)} gradients", worst, parity.GRAD_BOUND[p])
     console.print(f"    ({name})")
