@@ -3,12 +3,21 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The GPU's step compiled here, without a GPU (bench/gpu_twin.py, tests/test_gpu_twin.py): Python
+# 3.12 with the JAX the lent GPUs run and its CUDA plugin. Compiling needs no CUDA library, so
+# none is installed (~1 GB against ~4.3 GB with them). pyenv's python3.12 is found where PATH has
+# none.
+PY312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c '' 2>/dev/null \
+	&& echo python3.12 || ls -d "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 \
+	2>/dev/null | tail -n 1)
+GPU_JAX := 0.11.2
+GPU_VENV := .venv-gpu
 # The oracle extra (torch, timm) is ~5.5 GB from this machine's local wheel cache; the iree
 # extra (IREE's compiler and runtime) is what tests/test_iree.py runs renders on.
 EXTRAS_TEST := oracle,dev,iree,nvimgcodec
 DEMO_NETS := resnet50 mnv4
 
-.PHONY: demo demo-ties certify pictures test test-fast test-all lint bench clean
+.PHONY: demo demo-ties certify pictures test test-fast test-all lint bench gpu-twin clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -90,7 +99,7 @@ ARGS ?=
 
 # The tiers' marker expressions (pytest -m). tests/tiers.py reads these two lines to generate
 # the README's table of what each tier runs.
-FAST_MARKERS := not slow and not oracle and not iree and not nvimgcodec and not all
+FAST_MARKERS := not slow and not oracle and not iree and not nvimgcodec and not gpu_twin and not all
 TEST_MARKERS := not all
 
 # The inner loop: no whole-network compile, no extra's library needed.
@@ -99,12 +108,12 @@ test-fast: $(VENV)/.installed-dev
 	$(PYTEST) -q -n $(WORKERS) -m "$(FAST_MARKERS)" $(ARGS)
 
 # What CI runs: every claim of the suite once, in its smallest configuration.
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test $(GPU_VENV)/.installed
 	$(BIN)/ruff check twinstep tests bench
 	$(PYTEST) -q -n $(WORKERS) -m "$(TEST_MARKERS)" --dist loadgroup --durations=20 $(ARGS)
 
 # The pre-release check: the complete matrix and the sweeps at full budget.
-test-all: $(VENV)/.installed-test
+test-all: $(VENV)/.installed-test $(GPU_VENV)/.installed
 	$(BIN)/ruff check twinstep tests bench
 	export TWINSTEP_HYPOTHESIS=all; $(PYTEST) -q -n $(WORKERS) --dist loadgroup --durations=20 $(ARGS)
 
@@ -123,5 +132,16 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/levers.py
 	$(BIN)/python bench/loader.py
 
+$(GPU_VENV)/.installed: pyproject.toml
+	$(PY312) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GPU_VENV)/bin/python -m pip install -q jax==$(GPU_JAX) jaxlib==$(GPU_JAX)
+	$(GPU_VENV)/bin/python -m pip install -q --no-deps jax-cuda13-plugin==$(GPU_JAX) \
+		jax-cuda13-pjrt==$(GPU_JAX)
+	$(GPU_VENV)/bin/python -m pip install -q -e .
+	touch $@
+gpu-twin: $(GPU_VENV)/.installed
+	$(GPU_VENV)/bin/python bench/gpu_twin.py --ab --measured bench/leases/2026-12-05-h100 $(ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .hypothesis

@@ -71,13 +71,14 @@ AGGREGATE_LINES = ("XLA Modules", "XLA Ops", "Steps", "Launch Stats", "TraceMe")
 # fields, the nets it applies to)}. The default is this platform's (`program.platform_levers`);
 # each lever the first lease timed one at a time (bench/RESULTS.md#gpu-profile) is adopted on a
 # GPU now: the step without them (on the GPU's conv paths) is the "before". Then the levers not
-# yet timed, likeliest first (a part's time limit may cut the last): the phased depthwise input
-# VJP, bf16 storage between ops, the shift path with a one-pass weight VJP.
+# yet timed, in the order of the bytes bench/gpu_twin.py predicts they save (a part's time limit
+# may cut the last): bf16 storage between ops, the phased depthwise input VJP, the shift path
+# with a one-pass weight VJP.
 ADOPTED = ("crop_unread", "bn_moments")
 LEVERS = {"without the GPU's levers": ({k: program.CPU_LEVERS[k] for k in ADOPTED},
                                        ("resnet50", "mnv4")),
-          "depthwise_path=phased": ({"depthwise_path": "phased"}, ("mnv4",)),
           "store=bf16": ({"store": "bf16"}, ("resnet50", "mnv4")),
+          "depthwise_path=phased": ({"depthwise_path": "phased"}, ("mnv4",)),
           "depthwise_path=shift-one-pass": ({"depthwise_path": "shift-one-pass"}, ("mnv4",))}
 
 

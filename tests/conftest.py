@@ -3,7 +3,8 @@ programs (both before JAX's first operation), a deterministic hypothesis profile
 same shapes every run, and the tiers.
 
 Tiers (markers, pyproject.toml): ``slow`` compiles a whole network, ``oracle``, ``iree`` and
-``nvimgcodec`` run an extra's library, ``all`` belongs to the exhaustive matrix.
+``nvimgcodec`` run an extra's library, ``gpu_twin`` compiles for a GPU in ``.venv-gpu``, ``all``
+belongs to the exhaustive matrix.
 The Makefile's FAST_MARKERS and TEST_MARKERS select `make test-fast` and `make test`; `make
 test-all` runs everything, with TWINSTEP_HYPOTHESIS=all for the whole-network sweeps' random draws
 (`SWEEP_PHASES`). What each tier runs: the README's table (tests/tiers.py).
@@ -32,6 +33,7 @@ dp.ensure_devices(8)
 import ctypes  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import oracle_libs  # noqa: E402
@@ -74,6 +76,9 @@ EXTRAS = (
     ("nvimgcodec", _importable("nvidia.nvimgcodec"),
      "the nvimgcodec tests need nvImageCodec: install the [nvimgcodec] extra, or run `make "
      "test-fast`, which leaves them out"),
+    ("gpu_twin", (Path(__file__).resolve().parent.parent / ".venv-gpu" / "bin" / "python").exists,
+     "the gpu_twin tests need .venv-gpu (JAX's CUDA plugin): `make .venv-gpu/.installed`, or run "
+     "`make test-fast`, which leaves them out"),
 )
 
 

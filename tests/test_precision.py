@@ -137,7 +137,9 @@ def test_bf16_storage_rounds_between_ops_and_reaches_both_nets(rng):
     """``store="bf16"`` (docs/precision.md#bf16-storage): `Precision.stored` rounds to bf16 and
     keeps the dtype, once (idempotent), and is the identity without it; only bf16 may store in
     bf16. Control: in each net's gradient step it adds bf16 rounding points between ops (the
-    forward's outputs, the residual adds, the cotangent sums), so the switch is not a no-op."""
+    forward's outputs, the residual adds, the cotangent sums), so the switch is not a no-op, and
+    each is a bf16 array behind an optimization barrier — what makes XLA:GPU hold it in bf16
+    (bench/gpu_twin.py measures the bytes; tests/test_gpu_twin.py fails without the barrier)."""
     from twinstep import program
     from twinstep.nets import get_net
     from twinstep.ops.precision import Precision
@@ -152,12 +154,15 @@ def test_bf16_storage_rounds_between_ops_and_reaches_both_nets(rng):
         with pytest.raises(ValueError, match="only bf16 stores in bf16"):
             Precision(name, store="bf16")
     to_bf16 = re.compile(r"stablehlo\.convert.*-> tensor<[^>]*bf16>")
+    held = re.compile(r"stablehlo\.optimization_barrier %\S+ : tensor<[^>]*bf16>")
     for net_name in ("resnet50", "mnv4"):
         net = get_net(net_name)
         p, b = program.abstract_params(net, 10, jnp.float32)
         x = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
         t = jax.ShapeDtypeStruct((2, 10), jnp.float32)
-        counts = [len(to_bf16.findall(program.grad_program(
-            net, program.Setup(precision="bf16", store=s)).lower(p, b, x, t).as_text()))
-            for s in (None, "bf16")]
+        texts = [program.grad_program(net, program.Setup(precision="bf16", store=s)).lower(
+            p, b, x, t).as_text() for s in (None, "bf16")]
+        counts = [len(to_bf16.findall(text)) for text in texts]
         assert counts[1] > counts[0] > 0, (net_name, counts)
+        barriers = [len(held.findall(text)) for text in texts]
+        assert barriers[0] == 0 and barriers[1] >= counts[1] - counts[0], (net_name, barriers)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 NAMES = ("f64", "f32", "bf16")
@@ -67,9 +68,15 @@ class Precision:
         return jnp.bfloat16 if self.name == "bf16" else self.dtype
 
     def stored(self, x):
-        """x [any] as the policy stores it between ops: rounded to bf16 under ``store="bf16"``
-        (and typed as before), else x itself."""
-        return round_to(x, jnp.bfloat16).astype(x.dtype) if self.store == "bf16" else x
+        """x [any] as the policy stores it between ops: under ``store="bf16"`` rounded to bf16,
+        held as a bf16 array and widened back to x's dtype where it is read; else x itself.
+
+        The optimization barrier is what makes the store: without it XLA:GPU fuses the rounding
+        and the widening into the op that makes x and writes x in its own dtype, the same bytes
+        as no store at all (docs/precision.md#bf16-storage)."""
+        if self.store != "bf16":
+            return x
+        return jax.lax.optimization_barrier(round_to(x, jnp.bfloat16)).astype(x.dtype)
 
     @property
     def weight_grad_dtype(self):
