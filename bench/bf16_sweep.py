@@ -12,11 +12,12 @@ With --gpu-levers both programs are built as a GPU's (`twinstep.program.GPU_LEVE
 conv paths, symmetric padding, one-pass BN moments) and the table goes to "bf16 tie sweep, a
 GPU's levers"; with --store bf16 too, they store activations and cotangents in bf16
 (docs/precision.md#bf16-storage) and it goes to "bf16 tie sweep, a GPU's levers, stored in
-bf16"; --depthwise-path ties a candidate depthwise lowering (", phased depthwise").
+bf16"; --depthwise-path ties a candidate depthwise lowering (", phased depthwise");
+--relu-mask bits keeps each ReLU's mask as bits (", ReLU masks as bits").
 
     python bench/bf16_sweep.py [--replicas 2 4 8] [--batches 1 2 3] [--gpu-levers]
-                               [--store bf16] [--depthwise-path PATH] [--nets resnet50 mnv4]
-                               [--skip NET@R ...]
+                               [--store bf16] [--depthwise-path PATH] [--relu-mask bits]
+                               [--nets resnet50 mnv4] [--skip NET@R ...]
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ CONTROLS = ("divisor-plus-one", "unsynced")
 
 
 def _one_r(replicas: int, cases: list, gpu_levers: bool, store: str | None,
-           depthwise_path: str | None) -> list:
+           depthwise_path: str | None, relu_mask: str | None) -> list:
     """Run ``cases`` [(net, N, res, control)] at R = ``replicas`` in this process."""
     import jax
 
@@ -47,7 +48,7 @@ def _one_r(replicas: int, cases: list, gpu_levers: bool, store: str | None,
     for net, batch, res, control in cases:
         r = twinstep.tie(net, replicas=replicas, batch=batch, res=res, precision="bf16",
                          control=control, fast_compile=net == "mnv4", gpu_levers=gpu_levers,
-                         store=store, depthwise_path=depthwise_path)
+                         store=store, depthwise_path=depthwise_path, relu_mask=relu_mask)
         convs = [p for p in r.parameters if len(p["shape"]) == 4]
         rows.append({"net": net, "R": replicas, "N": batch, "res": res, "control": control,
                      "status": r.status, "ok": sum(p["ok"] for p in r.parameters),
@@ -67,6 +68,7 @@ def main() -> None:
 
     p.add_argument("--depthwise-path", choices=DEPTHWISE_PATHS,
                    help="both programs' depthwise lowering (default: the levers')")
+    p.add_argument("--relu-mask", choices=["bits"], help="keep each ReLU's mask as bits")
     p.add_argument("--nets", nargs="+", choices=NETS, default=list(NETS))
     p.add_argument("--skip", nargs="+", default=[], metavar="NET@R",
                    help="leave NET's ties at R replicas out, listed as not run (MobileNetV4's "
@@ -83,7 +85,7 @@ def main() -> None:
 
     if args.one is not None:
         _one_r(args.one, [c for c in cases(args.one) if f"{c[0]}@{args.one}" not in args.skip],
-               args.gpu_levers, args.store, args.depthwise_path)
+               args.gpu_levers, args.store, args.depthwise_path, args.relu_mask)
         return
     rows = []
     for replicas in args.replicas:
@@ -107,10 +109,12 @@ def main() -> None:
     controls = [r for r in rows if r["control"] != "none"]
     levers = (", a GPU's levers" if args.gpu_levers else "") + (
         f", stored in {args.store}" if args.store else "") + (
-        f", {args.depthwise_path} depthwise" if args.depthwise_path else "")
+        f", {args.depthwise_path} depthwise" if args.depthwise_path else "") + (
+        ", ReLU masks as bits" if args.relu_mask else "")
     flags = " --gpu-levers" * args.gpu_levers + (f" --store {args.store}" if args.store else
                                                  "") + (
-        f" --depthwise-path {args.depthwise_path}" if args.depthwise_path else "")
+        f" --depthwise-path {args.depthwise_path}" if args.depthwise_path else "") + (
+        f" --relu-mask {args.relu_mask}" if args.relu_mask else "")
     write_results(RESULTS, "bf16 tie sweep" + levers,
                   f"`twinstep tie NET --precision bf16{flags}` "
                   f"(random-bn state, seed 0, K = 10) for {' and '.join(args.nets)} across R "

@@ -46,6 +46,18 @@ import sys
 import time
 from pathlib import Path
 
+
+def deviceless_env() -> None:
+    """What the compile needs set before JAX is imported (it finds its plugins then): the
+    plugin's version check needs a driver, which a compile without the device does not;
+    autotuning runs kernels on the device, so it is off (level 0)."""
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                        "--xla_gpu_autotune_level=0"]).strip()
+
+
+if __name__ == "__main__":
+    deviceless_env()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_profile import CATEGORIES, LEVERS, category  # noqa: E402
@@ -403,11 +415,6 @@ def main(argv=None) -> int:
     p.add_argument("--write-results", action="store_true",
                    help="rewrite bench/RESULTS.md's section '## GPU twin'")
     args = p.parse_args(argv)
-    # before JAX's first backend: the plugin's version check needs a driver, which a deviceless
-    # compile does not; autotuning runs kernels on the device, so it is off (level 0)
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
-                                        "--xla_gpu_autotune_level=0"]).strip()
     if cuda_plugin() is None:
         print("gpu_twin: no CUDA plugin for JAX in this Python; `make gpu-twin` makes "
               ".venv-gpu with one", file=sys.stderr)

@@ -101,6 +101,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def grad_program_text():
+    """(net name, `twinstep.program.Setup`) -> the StableHLO of that gradient step, lowered on
+    abstract inputs (N = 2, 32², K = 10): what a lever puts in a whole net's program."""
+    from twinstep import program
+    from twinstep.nets import get_net
+
+    def text(net_name: str, setup) -> str:
+        net = get_net(net_name)
+        params, buffers = program.abstract_params(net, 10, jax.numpy.float32)
+        x = jax.ShapeDtypeStruct((2, 32, 32, 3), jax.numpy.float32)
+        t = jax.ShapeDtypeStruct((2, 10), jax.numpy.float32)
+        return program.grad_program(net, setup).lower(params, buffers, x, t).as_text()
+    return text
+
+
+@pytest.fixture
 def rng():
     return np.random.default_rng(20261129)
 

@@ -252,3 +252,37 @@ def test_a_gpu_takes_its_levers_and_every_other_platform_the_others():
     assert one.lower(x).as_text() != two.lower(x).as_text()  # control
     with pytest.raises(ValueError, match="unknown BN moments"):
         batchnorm.bn_forward_site(x, moments="three-pass")
+
+
+def test_relu_masks_as_bits_are_the_same_masks_in_an_eighth_of_the_bytes(grad_program_text):
+    """``relu_mask="bits"`` (docs/precision.md#relu-masks-as-bits): ReLU's packed mask gives the
+    same output and the same VJP, exactly, as its bool mask, in an eighth of the bytes; a
+    channel count that is no multiple of 8 keeps bools; both nets' programs keep their masks
+    packed (uint8 in the StableHLO) only when asked; an unknown kind is refused. Controls:
+    the same bits read in the opposite order give another VJP (random masks: about half the
+    elements differ), and the bool programs hold no uint8."""
+    import re
+
+    from twinstep import program
+    from twinstep.checking import tie
+    from twinstep.ops import activation
+
+    rng = np.random.default_rng(0)
+    x, dy = (jnp.asarray(rng.standard_normal((2, 5, 5, 24))) for _ in range(2))
+    (y, bools), (y_bits, bits) = activation.relu_forward(x), activation.relu_forward(x, True)
+    np.testing.assert_array_equal(y_bits, y)
+    np.testing.assert_array_equal(activation.relu_vjp(bits, dy), activation.relu_vjp(bools, dy))
+    assert bits.dtype == jnp.uint8 and bits.nbytes * 8 == bools.nbytes
+    assert activation.relu_forward(x[..., :12], packed=True)[1].dtype == jnp.bool_
+    flipped = (bits[..., None] >> (7 - jnp.arange(8, dtype=jnp.uint8))) & 1  # the control
+    wrong = jnp.where(flipped.astype(bool).reshape(dy.shape), dy, 0)
+    assert float(jnp.mean(wrong != activation.relu_vjp(bools, dy))) > 0.25
+    u8 = re.compile(r"tensor<[0-9x]*xui8>")
+    for net_name in ("resnet50", "mnv4"):
+        found = [len(u8.findall(grad_program_text(net_name, program.Setup(relu_mask=m))))
+                 for m in (None, "bits")]
+        assert found[0] == 0 < found[1], (net_name, found)
+    with pytest.raises(UsageError, match="unknown --relu-mask"):
+        tie.TieConfig(relu_mask="nibbles")
+    with pytest.raises(ValueError, match="unknown relu_mask"):
+        program.Setup(relu_mask="nibbles").context()

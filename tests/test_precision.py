@@ -133,7 +133,7 @@ def test_one_pass_moments_in_f32_round_far_below_bf16(net_name):
     assert worst(shifted) > 2.0**-10
 
 
-def test_bf16_storage_rounds_between_ops_and_reaches_both_nets(rng):
+def test_bf16_storage_rounds_between_ops_and_reaches_both_nets(rng, grad_program_text):
     """``store="bf16"`` (docs/precision.md#bf16-storage): `Precision.stored` rounds to bf16 and
     keeps the dtype, once (idempotent), and is the identity without it; only bf16 may store in
     bf16. Control: in each net's gradient step it adds bf16 rounding points between ops (the
@@ -141,7 +141,6 @@ def test_bf16_storage_rounds_between_ops_and_reaches_both_nets(rng):
     each is a bf16 array behind an optimization barrier — what makes XLA:GPU hold it in bf16
     (bench/gpu_twin.py measures the bytes; tests/test_gpu_twin.py fails without the barrier)."""
     from twinstep import program
-    from twinstep.nets import get_net
     from twinstep.ops.precision import Precision
 
     store = Precision("bf16", store="bf16")
@@ -156,12 +155,8 @@ def test_bf16_storage_rounds_between_ops_and_reaches_both_nets(rng):
     to_bf16 = re.compile(r"stablehlo\.convert.*-> tensor<[^>]*bf16>")
     held = re.compile(r"stablehlo\.optimization_barrier %\S+ : tensor<[^>]*bf16>")
     for net_name in ("resnet50", "mnv4"):
-        net = get_net(net_name)
-        p, b = program.abstract_params(net, 10, jnp.float32)
-        x = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
-        t = jax.ShapeDtypeStruct((2, 10), jnp.float32)
-        texts = [program.grad_program(net, program.Setup(precision="bf16", store=s)).lower(
-            p, b, x, t).as_text() for s in (None, "bf16")]
+        texts = [grad_program_text(net_name, program.Setup(precision="bf16", store=s))
+                 for s in (None, "bf16")]
         counts = [len(to_bf16.findall(text)) for text in texts]
         assert counts[1] > counts[0] > 0, (net_name, counts)
         barriers = [len(held.findall(text)) for text in texts]

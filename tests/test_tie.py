@@ -255,20 +255,24 @@ def test_bf16_ties_at_the_partial_sum_boundary(net, replicas):
 
 @pytest.mark.slow
 def test_bf16_storage_ties_and_a_control_fails():
-    """bf16 storage between ops (docs/precision.md#bf16-storage), with a GPU's levers: its
-    rounding points act elementwise on values both programs compute alike, so the bf16 tie holds
-    at the same bounds; ResNet-50 at R = 2 (residual adds, the cotangent sums, the pooled and
-    max-pooled cotangents); and divisor-plus-one still fails. Both nets at R = 2, 4, 8:
-    test-all's sweep."""
-    storage = {"precision": "bf16", "replicas": 2, "gpu_levers": True, "store": "bf16"}
+    """bf16 storage between ops (docs/precision.md#bf16-storage) and ReLU masks kept as bits
+    (#relu-masks-as-bits), with a GPU's levers: the rounding points act elementwise on values
+    both programs compute alike, and a packed mask is the same mask, so the bf16 tie holds at
+    the same bounds; ResNet-50 at R = 2 (residual adds, the cotangent sums, the pooled and
+    max-pooled cotangents, every ReLU); and divisor-plus-one still fails. Both nets at R = 2,
+    4, 8, each lever alone: test-all's sweep."""
+    storage = {"precision": "bf16", "replicas": 2, "gpu_levers": True, "store": "bf16",
+               "relu_mask": "bits"}
     assert_tied(run(net="resnet50", **storage))
     assert run(net="resnet50", control="divisor-plus-one", **storage).status == "NOT tied"
 
 
 # the bf16 variants test-all ties: this machine's levers, a GPU's, a GPU's with bf16 storage,
-# a GPU's with each candidate depthwise path (MobileNetV4 only: ResNet-50 has no depthwise)
+# with ReLU masks as bits, with each candidate depthwise path (MobileNetV4 only: ResNet-50 has
+# no depthwise)
 BF16_VARIANTS = {"cpu": {}, "gpu": {"gpu_levers": True},
                  "gpu-store": {"gpu_levers": True, "store": "bf16"},
+                 "gpu-bits": {"gpu_levers": True, "relu_mask": "bits"},
                  "gpu-phased": {"gpu_levers": True, "depthwise_path": "phased"},
                  "gpu-shift-one-pass": {"gpu_levers": True, "depthwise_path": "shift-one-pass"}}
 BF16_NET_VARIANTS = [pytest.param(net, v, id=f"{net}-{name}")

@@ -33,7 +33,7 @@ from twinstep import dp, optim, step
 from twinstep.collectives import SINGLE
 from twinstep.data import device_ops, transforms
 from twinstep.nets import Net, layers
-from twinstep.ops import conv
+from twinstep.ops import activation, conv
 from twinstep.ops.precision import Precision, get_precision
 from twinstep.processes import cluster, settings
 
@@ -63,7 +63,9 @@ class Setup(NamedTuple):
     (``crop_unread``; IREE compiles only the crop) and BN's moments two-pass or one-pass
     (``bn_moments``; `twinstep.ops.batchnorm.MOMENTS`); those four None: the platform's
     (`platform_levers`). ``store``: "bf16" rounds activations and
-    cotangents to bf16 between ops (`twinstep.ops.precision.Precision.store`; bf16 only)."""
+    cotangents to bf16 between ops (`twinstep.ops.precision.Precision.store`; bf16 only).
+    ``relu_mask``: "bits" keeps each ReLU's mask as bits, "bool" or None as bools
+    (`twinstep.ops.activation.MASKS`; the same values either way)."""
 
     replicas: int = 1
     precision: str | Precision = "f32"
@@ -73,6 +75,7 @@ class Setup(NamedTuple):
     crop_unread: bool | None = None
     bn_moments: str | None = None
     store: str | None = None
+    relu_mask: str | None = None
 
     def single(self) -> Setup:
         """The single device this setup is tied to: R = 1, no control."""
@@ -88,7 +91,11 @@ class Setup(NamedTuple):
         precision = get_precision(self.precision)
         if self.store is not None:
             precision = dataclasses.replace(precision, store=self.store)
-        return layers.Ctx(rep, precision, train=train, **levers)
+        if self.relu_mask not in (None, *activation.MASKS):
+            raise ValueError(f"unknown relu_mask {self.relu_mask!r}; choose "
+                             f"{' or '.join(activation.MASKS)}")
+        return layers.Ctx(rep, precision, train=train, relu_mask=self.relu_mask or "bool",
+                          **levers)
 
 
 ONE_DEVICE = Setup()  # the factories' default: one device, f32, the platform's conv paths

@@ -25,7 +25,7 @@ from twinstep.checking.bounds import grad_err, host, rel
 from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS, MASK_CONTROLS
 from twinstep.errors import UsageError
 from twinstep.nets import NETS, get_net
-from twinstep.ops import conv
+from twinstep.ops import activation, conv
 from twinstep.ops import loss as losses
 from twinstep.ops.precision import NAMES as PRECISIONS
 from twinstep.ops.precision import Precision
@@ -67,6 +67,7 @@ class TieConfig:
     gpu_levers: bool = False  # program.GPU_LEVERS on any platform (docs/precision.md#gpu-levers)
     store: str | None = None  # "bf16": Precision.store (docs/precision.md#bf16-storage)
     depthwise_path: str | None = None  # None: the levers' (`twinstep.ops.conv.DEPTHWISE_PATHS`)
+    relu_mask: str | None = None  # "bits": `Setup.relu_mask` (docs/precision.md#relu-masks-as-bits)
 
     def __post_init__(self):
         if self.net not in NETS:
@@ -90,6 +91,9 @@ class TieConfig:
         if self.depthwise_path not in (None, *conv.DEPTHWISE_PATHS):
             raise UsageError(f"unknown --depthwise-path {self.depthwise_path!r}; choose from "
                              f"{', '.join(conv.DEPTHWISE_PATHS)}")
+        if self.relu_mask not in (None, *activation.MASKS):
+            raise UsageError(f"unknown --relu-mask {self.relu_mask!r}; choose from "
+                             f"{', '.join(activation.MASKS)}")
         if self.store not in (None, "bf16") or (self.store and self.precision != "bf16"):
             raise UsageError(f"--store {self.store} needs --precision bf16 (only bf16 stores "
                              f"activations in bf16)")
@@ -123,7 +127,8 @@ class TieConfig:
         levers = dict(program.GPU_LEVERS if self.gpu_levers else {})
         if self.depthwise_path:
             levers["depthwise_path"] = self.depthwise_path
-        return program.Setup(self.replicas, prec, self.control, store=self.store, **levers)
+        return program.Setup(self.replicas, prec, self.control, store=self.store,
+                             relu_mask=self.relu_mask, **levers)
 
 
 def _check_steps_config(cfg: TieConfig, recipe) -> None:

@@ -73,6 +73,11 @@ def add(p) -> None:
                       help="with --precision bf16: round every activation and cotangent to "
                            "bf16 between ops, as timm's AMP stores them; a GPU lever not yet "
                            "timed (docs/precision.md#bf16-storage)")
+    step.add_argument("--relu-mask", choices=["bool", "bits"],
+                      help="how each ReLU keeps its mask for the backward: a byte an element "
+                           "(bool, the default) or a bit (bits: the same mask, an eighth of "
+                           "the bytes; a GPU lever not yet timed, "
+                           "docs/precision.md#relu-masks-as-bits)")
     step.add_argument("--recipe", metavar="NAME",
                       help="tie whole training steps of this recipe (a name or preset, "
                            "'twinstep recipe'), f64")
@@ -173,7 +178,8 @@ def show_step(report, show_all: bool = False, seconds: float | None = None,
                   f"{c.precision}, shift {'on' if c.shift else 'off'}, control {c.control}"
                   + (", a GPU's levers" if c.gpu_levers else "")
                   + (f", {c.depthwise_path} depthwise" if c.depthwise_path else "")
-                  + (f", stored in {c.store}" if c.store else ""))
+                  + (f", stored in {c.store}" if c.store else "")
+                  + (f", ReLU masks as {c.relu_mask}" if c.relu_mask else ""))
     rows = sorted(report.parameters, key=lambda p: -p["rel_err"] / max(p["bound"], 1e-300))
     shown = report.parameters if show_all else rows[:10]
     table = Table(title="parameter gradients: mean over replicas vs single device" +

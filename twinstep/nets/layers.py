@@ -24,8 +24,9 @@ from twinstep.ops.precision import F32, Precision
 class Ctx:
     """What a forward runs in: replicas (BN sync), precision policy, train (batch statistics)
     or eval (running statistics), the dense and depthwise conv paths (None: the platform's
-    defaults), whether a strided convolution crops its unread padding (`twinstep.ops.conv`) and
-    how BN computes its moments (`twinstep.ops.batchnorm.MOMENTS`)."""
+    defaults), whether a strided convolution crops its unread padding (`twinstep.ops.conv`),
+    how BN computes its moments (`twinstep.ops.batchnorm.MOMENTS`) and how ReLU keeps its mask
+    (`twinstep.ops.activation.MASKS`)."""
 
     replicas: Replicas = SINGLE
     precision: Precision = F32
@@ -34,6 +35,7 @@ class Ctx:
     dense_path: str | None = None
     crop_unread: bool = True
     bn_moments: str = "two-pass"
+    relu_mask: str = "bool"
 
 
 class ConvBN(NamedTuple):
@@ -73,7 +75,7 @@ def conv_bn_forward(params, buffers, names: ConvBN, x, *, stride: int, ctx: Ctx,
                                               buffers[names.bn + ".running_var"])
     mask = None
     if relu:
-        y, mask = activation.relu_forward(y)
+        y, mask = activation.relu_forward(y, packed=ctx.relu_mask == "bits")
     return ctx.precision.stored(y), ConvBNTape(names, depthwise, ctx.train, conv_res, bn_res, mask)
 
 

@@ -1,15 +1,34 @@
-"""ReLU, with subgradient 0 at 0 (as PyTorch: the mask is x > 0)."""
+"""ReLU, with subgradient 0 at 0 (as PyTorch: the mask is x > 0).
+
+The mask the VJP reads is kept as bools, a byte an element, or with ``packed=True`` as bits,
+eight channels a byte (docs/precision.md#relu-masks-as-bits): the same mask, an eighth of the
+bytes to write in the forward and read in the backward.
+"""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+
+MASKS = ("bool", "bits")  # how `relu_forward` keeps its mask: `Setup.relu_mask`
+# bit b of a byte holds channel 8 c + b; numpy, as importing must not start JAX's backend
+_BIT = np.arange(8, dtype=np.uint8)
 
 
-def relu_forward(x):
-    """Returns (max(x, 0), mask = x > 0)."""
+def relu_forward(x, packed: bool = False):
+    """x [..., C] -> (max(x, 0), mask): mask = x > 0, bool [..., C]; ``packed`` and C a
+    multiple of 8: uint8 [..., C / 8] instead, channel 8 c + b in bit b of byte c."""
     mask = x > 0
-    return jnp.where(mask, x, jnp.zeros((), x.dtype)), mask
+    y = jnp.where(mask, x, jnp.zeros((), x.dtype))
+    if not packed or x.shape[-1] % 8:
+        return y, mask
+    bits = mask.reshape(*x.shape[:-1], x.shape[-1] // 8, 8).astype(jnp.uint8) << _BIT
+    return y, jax.lax.reduce(bits, jnp.uint8(0), jax.lax.bitwise_or, (x.ndim,))
 
 
 def relu_vjp(mask, dy):
+    """dy where the mask holds, else 0; the mask as `relu_forward` kept it."""
+    if mask.dtype == jnp.uint8:
+        mask = ((mask[..., None] >> _BIT) & 1).astype(jnp.bool_).reshape(dy.shape)
     return jnp.where(mask, dy, jnp.zeros((), dy.dtype))
