@@ -287,6 +287,10 @@ def _lever(key: str) -> dict:
 
 def twin_net(net_name: str, args) -> dict:
     """One net's twin: its accounts, its levers' and, with --measured, the lease's programs."""
+    def accounted(**levers) -> dict:
+        return account(kernels(compile_step(net_name, args.batch, args.res, args.classes,
+                                            args.target, **levers)), 0)
+
     t0 = time.perf_counter()
     hlo = compile_step(net_name, args.batch, args.res, args.classes, args.target)
     out = {"net": net_name, "target": args.target, "batch": args.batch, "res": args.res,
@@ -298,11 +302,9 @@ def twin_net(net_name: str, args) -> dict:
         out["ab"] = {}
         for lever, (kwargs, nets) in LEVERS.items():
             if net_name in nets:
-                other = account(kernels(compile_step(net_name, args.batch, args.res,
-                                                     args.classes, args.target, **kwargs)), 0)
-                out["ab"][lever] = _ab(out, other)
+                out["ab"][lever] = _ab(out, accounted(**kwargs))
     if args.measured:
-        out["measured"] = measured(net_name, args)
+        out["measured"] = measured(net_name, args, accounted)
     return out
 
 
@@ -315,18 +317,18 @@ def _ab(default: dict, lever: dict) -> dict:
             "bytes_ratio": default["gb"] / lever["gb"]}
 
 
-def measured(net_name: str, args) -> dict:
+def measured(net_name: str, args, accounted) -> dict:
     """A lease's profile of ``net_name`` beside the twin of the program it timed: the lease's
     default was the step without the levers adopted since (`gpu_profile.LEVERS`' first), and
-    each of its A/B levers was timed over that default."""
+    each of its A/B levers was timed over that default. ``accounted(**levers)``: the account
+    of ``net_name``'s step with those levers."""
     path = args.measured / f"profile_{net_name}.json"
     lease = json.loads(path.read_text())
     if (lease["batch"], lease["res"]) != (args.batch, args.res):
         raise ValueError(f"{path} timed batch {lease['batch']} at {lease['res']}², not "
                          f"{args.batch} at {args.res}²")
     before = next(iter(LEVERS.values()))[0]
-    then = account(kernels(compile_step(net_name, args.batch, args.res, args.classes,
-                                        args.target, **before)), 0)
+    then = accounted(**before)
     rows = {}
     for name, c in lease["categories"].items():
         gb = then["categories"].get(name, {}).get("gb", 0.0)
@@ -334,9 +336,7 @@ def measured(net_name: str, args) -> dict:
                       "implied_gb_s": gb / (c["ms_per_step"] / 1e3) if c["ms_per_step"] else 0}
     ab = {}
     for key, timed in lease.get("ab", {}).items():
-        lever = account(kernels(compile_step(net_name, args.batch, args.res, args.classes,
-                                             args.target, **{**before, **_lever(key)})), 0)
-        ab[key] = {"speedup": timed["speedup"], **_ab(then, lever)}
+        ab[key] = {"speedup": timed["speedup"], **_ab(then, accounted(**{**before, **_lever(key)}))}
     return {"lease": str(path), "device": lease["device"], "jax": lease["jax"],
             "step_ms": lease["step_ms"], "gb": then["gb"],
             "implied_gb_s": then["gb"] / (lease["step_ms"] / 1e3),

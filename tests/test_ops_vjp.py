@@ -269,11 +269,11 @@ def test_relu_masks_as_bits_are_the_same_masks_in_an_eighth_of_the_bytes(grad_pr
 
     rng = np.random.default_rng(0)
     x, dy = (jnp.asarray(rng.standard_normal((2, 5, 5, 24))) for _ in range(2))
-    (y, bools), (y_bits, bits) = activation.relu_forward(x), activation.relu_forward(x, True)
+    (y, bools), (y_bits, bits) = activation.relu_forward(x), activation.relu_forward(x, "bits")
     np.testing.assert_array_equal(y_bits, y)
     np.testing.assert_array_equal(activation.relu_vjp(bits, dy), activation.relu_vjp(bools, dy))
     assert bits.dtype == jnp.uint8 and bits.nbytes * 8 == bools.nbytes
-    assert activation.relu_forward(x[..., :12], packed=True)[1].dtype == jnp.bool_
+    assert activation.relu_forward(x[..., :12], "bits")[1].dtype == jnp.bool_
     flipped = (bits[..., None] >> (7 - jnp.arange(8, dtype=jnp.uint8))) & 1  # the control
     wrong = jnp.where(flipped.astype(bool).reshape(dy.shape), dy, 0)
     assert float(jnp.mean(wrong != activation.relu_vjp(bools, dy))) > 0.25

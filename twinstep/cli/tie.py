@@ -25,7 +25,7 @@ def add(p) -> None:
     from twinstep.checking.tie import PRECISION_DEFAULTS, STATES, TieConfig
     from twinstep.collectives import CONTROLS
     from twinstep.nets import NETS
-    from twinstep.ops import conv
+    from twinstep.ops import activation, conv
     from twinstep.ops.precision import NAMES as PRECISIONS
 
     default = options.defaults(TieConfig)
@@ -73,7 +73,7 @@ def add(p) -> None:
                       help="with --precision bf16: round every activation and cotangent to "
                            "bf16 between ops, as timm's AMP stores them; a GPU lever not yet "
                            "timed (docs/precision.md#bf16-storage)")
-    step.add_argument("--relu-mask", choices=["bool", "bits"],
+    step.add_argument("--relu-mask", choices=activation.MASKS,
                       help="how each ReLU keeps its mask for the backward: a byte an element "
                            "(bool, the default) or a bit (bits: the same mask, an eighth of "
                            "the bytes; a GPU lever not yet timed, "

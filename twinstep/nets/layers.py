@@ -75,7 +75,7 @@ def conv_bn_forward(params, buffers, names: ConvBN, x, *, stride: int, ctx: Ctx,
                                               buffers[names.bn + ".running_var"])
     mask = None
     if relu:
-        y, mask = activation.relu_forward(y, packed=ctx.relu_mask == "bits")
+        y, mask = activation.relu_forward(y, ctx.relu_mask)
     return ctx.precision.stored(y), ConvBNTape(names, depthwise, ctx.train, conv_res, bn_res, mask)
 
 

@@ -159,8 +159,7 @@ def _bottleneck_forward(params, buffers, b: Block, x, *, ctx, stats, mask):
         shortcut, td = conv_bn_forward(params, buffers,
                                        ConvBN(f"{p}.downsample.0", f"{p}.downsample.1"), x,
                                        stride=b.stride, ctx=ctx, relu=False, stats=stats)
-    y, relu_mask = activation.relu_forward(elementwise.add_forward(y, shortcut),
-                                           packed=ctx.relu_mask == "bits")
+    y, relu_mask = activation.relu_forward(elementwise.add_forward(y, shortcut), ctx.relu_mask)
     return ctx.precision.stored(y), (t1, t2, t3, m, td, relu_mask)
 
 

@@ -1,6 +1,6 @@
 """ReLU, with subgradient 0 at 0 (as PyTorch: the mask is x > 0).
 
-The mask the VJP reads is kept as bools, a byte an element, or with ``packed=True`` as bits,
+The mask the VJP reads is kept as bools, a byte an element, or with ``mask="bits"`` as bits,
 eight channels a byte (docs/precision.md#relu-masks-as-bits): the same mask, an eighth of the
 bytes to write in the forward and read in the backward.
 """
@@ -16,14 +16,14 @@ MASKS = ("bool", "bits")  # how `relu_forward` keeps its mask: `Setup.relu_mask`
 _BIT = np.arange(8, dtype=np.uint8)
 
 
-def relu_forward(x, packed: bool = False):
-    """x [..., C] -> (max(x, 0), mask): mask = x > 0, bool [..., C]; ``packed`` and C a
-    multiple of 8: uint8 [..., C / 8] instead, channel 8 c + b in bit b of byte c."""
-    mask = x > 0
-    y = jnp.where(mask, x, jnp.zeros((), x.dtype))
-    if not packed or x.shape[-1] % 8:
-        return y, mask
-    bits = mask.reshape(*x.shape[:-1], x.shape[-1] // 8, 8).astype(jnp.uint8) << _BIT
+def relu_forward(x, mask: str = "bool"):
+    """x [..., C] -> (max(x, 0), kept): kept = x > 0, bool [..., C]; ``mask`` "bits" (`MASKS`)
+    and C a multiple of 8: uint8 [..., C / 8] instead, channel 8 c + b in bit b of byte c."""
+    positive = x > 0
+    y = jnp.where(positive, x, jnp.zeros((), x.dtype))
+    if mask != "bits" or x.shape[-1] % 8:
+        return y, positive
+    bits = positive.reshape(*x.shape[:-1], x.shape[-1] // 8, 8).astype(jnp.uint8) << _BIT
     return y, jax.lax.reduce(bits, jnp.uint8(0), jax.lax.bitwise_or, (x.ndim,))
 
 
