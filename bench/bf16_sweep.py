@@ -71,8 +71,7 @@ def main() -> None:
     p.add_argument("--relu-mask", choices=["bits"], help="keep each ReLU's mask as bits")
     p.add_argument("--nets", nargs="+", choices=NETS, default=list(NETS))
     p.add_argument("--skip", nargs="+", default=[], metavar="NET@R",
-                   help="leave NET's ties at R replicas out, listed as not run (MobileNetV4's "
-                        "grouped depthwise at R = 8 needs more memory than 24 GiB on XLA:CPU)")
+                   help="leave NET's ties at R replicas out, listed as skipped")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: one R
     args = p.parse_args()
 

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from twinstep.collectives import Replicas
 from twinstep.defaults import MAX_REPLICAS
 from twinstep.errors import UsageError
-from twinstep.processes import cluster
+from twinstep.processes import cluster, settings
 
 AXIS = "r"
 
@@ -27,9 +27,11 @@ def ensure_devices(count: int) -> None:
     JAX_NUM_CPU_DEVICES). Call before JAX's first operation; later it is a no-op (the number of
     devices is then fixed, and `mesh` says if it is too few). Ask for no more than a run uses:
     every virtual device slows the programs of the others (docs/platform.md). More than
-    `twinstep.defaults.MAX_REPLICAS` is refused (UsageError)."""
+    `twinstep.defaults.MAX_REPLICAS` is refused (UsageError). Sets twinstep's XLA flags too
+    (`twinstep.processes.settings.OWN_XLA_FLAGS`), which XLA also reads only as it starts."""
     if not 1 <= count <= MAX_REPLICAS:
         raise UsageError(f"replicas must be in [1, {MAX_REPLICAS}], got {count}")
+    settings.set_own_xla_flags()
     try:
         jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices))
     except RuntimeError:

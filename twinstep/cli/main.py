@@ -103,6 +103,7 @@ def main(argv=None) -> int:
             from twinstep.processes import settings
 
             settings.check_xla_flags()
+            settings.set_own_xla_flags()
             settings.use_compile_cache()
         return _module(name).run(args, parser.commands[name])
     except UsageError as e:
