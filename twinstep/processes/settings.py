@@ -109,17 +109,20 @@ def compiled(lowered, devices: list, folder: str | None = None):
 
 
 # XLA flags twinstep sets for every process it configures, unless XLA_FLAGS names them already:
-# XLA:CPU's memory-minimising instruction order in place of its concurrency-optimised one, which
-# keeps MobileNetV4's float64 grouped convolutions (a GPU-path tie's) alive together, 6x the
-# temporaries at the same speed (docs/platform.md#scheduling-on-cpu).
+# XLA:CPU's memory-minimising instruction order (docs/platform.md#scheduling-on-cpu).
 OWN_XLA_FLAGS = {"xla_cpu_enable_concurrency_optimized_scheduler": "false"}
+
+
+def _own_flags() -> dict:
+    """{name: "--name=value"} of `OWN_XLA_FLAGS`, as XLA_FLAGS spells them."""
+    return {name: f"--{name}={value}" for name, value in OWN_XLA_FLAGS.items()}
 
 
 def set_own_xla_flags() -> None:
     """Add `OWN_XLA_FLAGS` to XLA_FLAGS (the processes this one starts inherit them). XLA reads
     XLA_FLAGS once, when its backend starts: later this changes nothing for this process."""
     given = os.environ.get("XLA_FLAGS", "")
-    mine = [f"--{name}={value}" for name, value in OWN_XLA_FLAGS.items()
+    mine = [flag for name, flag in _own_flags().items()
             if f"--{name}=" not in given and f"--{name} " not in f"{given} "]
     if mine:
         os.environ["XLA_FLAGS"] = " ".join([given.strip(), *mine]).strip()
@@ -130,8 +133,7 @@ def check_xla_flags() -> None:
     know, with its own log line and no exit status of ours. When XLA_FLAGS holds more than
     `OWN_XLA_FLAGS`, a throw-away process starts XLA first (about a second); a refusal is
     BackendError (exit 3, one line)."""
-    own = {f"--{name}={value}" for name, value in OWN_XLA_FLAGS.items()}
-    if not set(os.environ.get("XLA_FLAGS", "").split()) - own:
+    if not set(os.environ.get("XLA_FLAGS", "").split()) - set(_own_flags().values()):
         return
     try:
         done = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
