@@ -2,8 +2,9 @@
 
 The accounting reads any optimized HLO module's text; it is checked here on a module written by
 hand, whose bytes are counted by hand. The compile for a GPU needs JAX's CUDA plugin, which
-`make test` installs in ``.venv-gpu`` (the JAX the lent GPUs run; `make gpu-twin`): the last
-test runs there, in a subprocess, on a small ResNet-50 step.
+`make test` installs in ``.venv-gpu`` (the JAX the lent GPUs run; `make gpu-twin`): one test
+runs there, in a subprocess, on a small ResNet-50 step. The last runs the lease's profile script
+(bench/gpu_profile.py) whole as its CPU twin, here.
 """
 
 import importlib.util
@@ -164,3 +165,41 @@ def test_bf16_storage_and_bit_masks_move_fewer_bytes_on_a_gpu():
     assert store["fusions"] < 0.95 * control["fusions"], got
     assert store["all"] < default["all"], got
     assert got["bits"]["fusions"] < 0.95 * default["fusions"], got
+
+
+def _profile(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """bench/gpu_profile.py as its CPU twin (this machine's JAX, XLA:CPU): batch 2 at 32²."""
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_profile.py"),
+                           "--batch", "2", "--res", "32", "--steps", "3", "--traced", "1",
+                           "--out", str(out), *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.all  # ~4 min: both nets, each compiled once per lever
+def test_the_lease_profile_runs_whole_as_its_cpu_twin(tmp_path):
+    """`bash bench/gpu.sh profile`'s script, up to the device: each net's step traced and
+    summarised by kernel kind, then timed against every lever `gpu_profile.LEVERS` names for
+    it, each profile written as JSON; a lease finds it working. Control: a part that overruns
+    its --limit is named, its net's profile is missing and the script exits 3."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location("gpu_profile",
+                                                      ROOT / "bench" / "gpu_profile.py")
+        gpu_profile = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gpu_profile)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    done = _profile(tmp_path, "--nets", "resnet50", "mnv4", "--ab", "--limit", "600")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for net in ("resnet50", "mnv4"):
+        got = json.loads((tmp_path / f"profile_{net}_32.json").read_text())
+        assert got["img_per_s"] > 0 and got["useful_mfu"] > 0, got
+        assert "XLA fusions" in got["categories"] and got["top"], got["categories"]
+        levers = [name for name, (_, nets) in gpu_profile.LEVERS.items() if net in nets]
+        assert list(got["ab"]) == levers
+        assert all(r["speedup"] > 0 for r in got["ab"].values()), got["ab"]
+
+    cut = _profile(tmp_path / "cut", "--nets", "resnet50", "--limit", "1")
+    assert cut.returncode == 3 and "resnet50: cut at 1 s" in cut.stdout, cut.stdout
+    assert not (tmp_path / "cut" / "profile_resnet50_32.json").exists()
