@@ -21,12 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 GPU_PYTHON = ROOT / ".venv-gpu" / "bin" / "python"
 
 
-def _twin():
+def _bench(name: str):
+    """The module of bench/<name>.py (bench/ on the path while it imports its neighbours)."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        spec = importlib.util.spec_from_file_location("gpu_twin", ROOT / "bench" / "gpu_twin.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_twin"] = module  # its dataclass looks its module up there
+        sys.modules[name] = module  # gpu_twin's dataclass looks its module up there
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(ROOT / "bench"))
@@ -94,7 +95,7 @@ def test_the_twin_counts_each_kernels_bytes_by_hand():
     trip count. Controls: read with one trip, the loop's kernels count once (968 bytes in all,
     not 2,392); the in-place update counted whole would be 1,088 bytes, not 136; a reader that
     kept the scratch would count 4,288 for the convolution."""
-    twin = _twin()
+    twin = _bench("gpu_twin")
     found = {k["name"]: k for k in twin.kernels(MODULE)}
     expected = {**{k: 3 * v for k, v in PER_TRIP.items()}, **AFTER}
     assert {k: v["bytes"] for k, v in found.items()} == expected
@@ -114,7 +115,7 @@ def test_the_twin_counts_each_kernels_bytes_by_hand():
 
 
 def test_a_lease_lever_name_reads_as_a_setup_field():
-    twin = _twin()
+    twin = _bench("gpu_twin")
     assert twin._lever("crop_unread=False") == {"crop_unread": False}
     assert twin._lever("bn_moments=one-pass") == {"bn_moments": "one-pass"}
 
@@ -182,14 +183,7 @@ def test_the_lease_profile_runs_whole_as_its_cpu_twin(tmp_path):
     summarised by kernel kind, then timed against every lever `gpu_profile.LEVERS` names for
     it, each profile written as JSON; a lease finds it working. Control: a part that overruns
     its --limit is named, its net's profile is missing and the script exits 3."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec = importlib.util.spec_from_file_location("gpu_profile",
-                                                      ROOT / "bench" / "gpu_profile.py")
-        gpu_profile = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(gpu_profile)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    gpu_profile = _bench("gpu_profile")
     done = _profile(tmp_path, "--nets", "resnet50", "mnv4", "--ab", "--limit", "600")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     for net in ("resnet50", "mnv4"):
