@@ -1,13 +1,12 @@
-"""The GPU's train step compiled here, and the bytes its kernels move (bench/gpu_twin.py).
+"""The GPU's train step compiled here, and the bytes its kernels move (bench/gpu/twin.py).
 
 The accounting reads any optimized HLO module's text; it is checked here on a module written by
 hand, whose bytes are counted by hand. The compile for a GPU needs JAX's CUDA plugin, which
 `make test` installs in ``.venv-gpu`` (the JAX the lent GPUs run; `make gpu-twin`): one test
 runs there, in a subprocess, on a small ResNet-50 step. The last runs the lease's profile script
-(bench/gpu_profile.py) whole as its CPU twin, here.
+(bench/gpu/kernel_profile.py) whole as its CPU twin, here.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,21 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.gpu import kernel_profile, twin
+
 ROOT = Path(__file__).resolve().parent.parent
 GPU_PYTHON = ROOT / ".venv-gpu" / "bin" / "python"
-
-
-def _bench(name: str):
-    """The module of bench/<name>.py (bench/ on the path while it imports its neighbours)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # gpu_twin's dataclass looks its module up there
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return module
 
 
 # A loop of 3 trips around a fusion, a cuDNN convolution with its scratch and an in-place
@@ -91,11 +79,10 @@ AFTER = {"copy.1": 256}
 
 
 def test_the_twin_counts_each_kernels_bytes_by_hand():
-    """`gpu_twin.kernels` on MODULE gives the bytes counted by hand, per kernel, times the loop's
+    """`twin.kernels` on MODULE gives the bytes counted by hand, per kernel, times the loop's
     trip count. Controls: read with one trip, the loop's kernels count once (968 bytes in all,
     not 2,392); the in-place update counted whole would be 1,088 bytes, not 136; a reader that
     kept the scratch would count 4,288 for the convolution."""
-    twin = _bench("gpu_twin")
     found = {k["name"]: k for k in twin.kernels(MODULE)}
     expected = {**{k: 3 * v for k, v in PER_TRIP.items()}, **AFTER}
     assert {k: v["bytes"] for k, v in found.items()} == expected
@@ -114,35 +101,33 @@ def test_the_twin_counts_each_kernels_bytes_by_hand():
     assert summary["top"][0]["name"] == "loop_add_fusion"
 
 
-def test_a_lease_lever_name_reads_as_a_setup_field():
-    twin = _bench("gpu_twin")
+def test_a_lease_lever_name_reads_as_a_levers_field():
     assert twin._lever("crop_unread=False") == {"crop_unread": False}
     assert twin._lever("bn_moments=one-pass") == {"bn_moments": "one-pass"}
 
 
-# The subprocess's program: ResNet-50's bf16 train step as bench/gpu_step.py times it (batch
+# The subprocess's program: ResNet-50's bf16 train step as bench/gpu/step.py times it (batch
 # 512 at 224²: XLA:GPU fuses a small step differently), compiled for an H100 four ways; the
 # bytes its XLA fusions move, and all its kernels'.
 SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # before JAX: gpu_twin.deviceless_env
+    import json, os
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # before JAX: twin.deviceless_env
     os.environ["XLA_FLAGS"] = "--xla_gpu_autotune_level=0"
-    sys.path.insert(0, "bench")
-    import gpu_twin
     import jax
+    from bench.gpu import twin
+    from twinstep.nets import layers
     from twinstep.ops import precision
 
     def measure(**levers):
-        found = gpu_twin.kernels(gpu_twin.compile_step("resnet50", 512, 224, 1000, "h100",
-                                                       **levers))
+        found = twin.kernels(twin.compile_step("resnet50", 512, 224, 1000, "h100", **levers))
         return {"fusions": sum(k["bytes"] for k in found if k["category"] == "XLA fusions"),
                 "all": sum(k["bytes"] for k in found)}
 
     out = {"default": measure(), "store": measure(store="bf16"),
            "bits": measure(relu_mask="bits")}
     # the control: the same rounding without the barrier, as the first store=bf16 was built
-    precision.Precision.stored = lambda self, x: (
-        precision.round_to(x, jax.numpy.bfloat16).astype(x.dtype) if self.store else x)
+    layers.stored = lambda x, store: (
+        precision.round_to(x, jax.numpy.bfloat16).astype(x.dtype) if store == "bf16" else x)
     out["round trip"] = measure(store="bf16")
     print(json.dumps(out))
 """)
@@ -169,8 +154,8 @@ def test_bf16_storage_and_bit_masks_move_fewer_bytes_on_a_gpu():
 
 
 def _profile(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    """bench/gpu_profile.py as its CPU twin (this machine's JAX, XLA:CPU): batch 2 at 32²."""
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_profile.py"),
+    """bench/gpu/kernel_profile.py as its CPU twin (this machine's JAX, XLA:CPU): batch 2 at 32²."""
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "kernel_profile.py"),
                            "--batch", "2", "--res", "32", "--steps", "3", "--traced", "1",
                            "--out", str(out), *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -180,17 +165,16 @@ def _profile(out: Path, *extra: str) -> subprocess.CompletedProcess:
 @pytest.mark.all  # ~4 min: both nets, each compiled once per lever
 def test_the_lease_profile_runs_whole_as_its_cpu_twin(tmp_path):
     """`bash bench/gpu.sh profile`'s script, up to the device: each net's step traced and
-    summarised by kernel kind, then timed against every lever `gpu_profile.LEVERS` names for
+    summarised by kernel kind, then timed against every lever `kernel_profile.LEVERS` names for
     it, each profile written as JSON; a lease finds it working. Control: a part that overruns
     its --limit is named, its net's profile is missing and the script exits 3."""
-    gpu_profile = _bench("gpu_profile")
     done = _profile(tmp_path, "--nets", "resnet50", "mnv4", "--ab", "--limit", "600")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     for net in ("resnet50", "mnv4"):
         got = json.loads((tmp_path / f"profile_{net}_32.json").read_text())
         assert got["img_per_s"] > 0 and got["useful_mfu"] > 0, got
         assert "XLA fusions" in got["categories"] and got["top"], got["categories"]
-        levers = [name for name, (_, nets) in gpu_profile.LEVERS.items() if net in nets]
+        levers = [name for name, (_, nets) in kernel_profile.LEVERS.items() if net in nets]
         assert list(got["ab"]) == levers
         assert all(r["speedup"] > 0 for r in got["ab"].values()), got["ab"]
 

@@ -1,6 +1,8 @@
 """Every op's hand-written VJP against jax.vjp (<= 1e-12) and central finite differences
 (<= 1e-6), float64, on shapes drawn by hypothesis (derandomized: CI draws the same ones)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,7 +55,7 @@ def test_scatter_windows_is_the_sum_of_its_taps_scatters(k, s, h, seed):
     taps = {(a, b): jnp.asarray(rng.standard_normal((2, ho, wo, 3)))
             for a in range(k) for b in range(k)}
     hp, wp = h + 2 * p, h + 1 + 2 * p
-    tap_by_tap = sum(windows.scatter_window(t, a, b, hp, wp, s) for (a, b), t in taps.items())
+    tap_by_tap = sum(windows.scatter_window(t, a, b, hp, wp, s=s) for (a, b), t in taps.items())
     by_phase = windows.scatter_windows(lambda a, b: taps[a, b], k, hp, wp, s)
     np.testing.assert_array_equal(np.asarray(by_phase), np.asarray(tap_by_tap))
 
@@ -134,6 +136,7 @@ def test_uncropped_padding_is_the_same_forward(depthwise):
     from twinstep import program
     from twinstep.nets import get_net
     from twinstep.ops import conv
+    from twinstep.ops.levers import Levers
     from twinstep.ops.precision import BF16, F64
     from twinstep.processes import settings
 
@@ -145,7 +148,8 @@ def test_uncropped_padding_is_the_same_forward(depthwise):
         w = jnp.asarray(rng.standard_normal((4, 1 if depthwise else 4, 3, 3)), precision.dtype)
 
         def run(crop, x=x, w=w, precision=precision):
-            return jax.jit(lambda x, w: forward(x, w, 2, precision, path, crop_unread=crop)[0])
+            return jax.jit(lambda x, w: forward(x, w, 2, precision, path=path,
+                                                crop_unread=crop)[0])
 
         with settings.jax_settings(jax_enable_x64=precision is F64):
             assert np.array_equal(run(True)(x, w), run(False)(x, w))
@@ -154,9 +158,10 @@ def test_uncropped_padding_is_the_same_forward(depthwise):
     net = get_net("mnv4")
     p, b = program.abstract_params(net, 10, jnp.float32)
     x = jax.ShapeDtypeStruct((1, 32, 32, 3), jnp.float32)
-    texts = [program.eval_program(net, program.Setup(depthwise_path="grouped", dense_path="conv",
-                                                     crop_unread=crop)).lower(p, b, x).as_text()
-             for crop in (True, False)]
+    levers = [Levers(depthwise_path="grouped", dense_path="conv", crop_unread=crop)
+              for crop in (True, False)]
+    texts = [program.eval_program(net, program.Setup(levers=lv)).lower(p, b, x).as_text()
+             for lv in levers]
     assert texts[0] != texts[1]  # control: the switch reaches the net's convolutions
 
 
@@ -178,7 +183,7 @@ def test_phased_depthwise_input_vjp_reads_no_dilated_cotangent(k):
             w = jnp.asarray(rng.standard_normal((3, 1, k, k)))
             dy = jnp.asarray(rng.standard_normal((2, conv.conv_out_size(h, k, s),
                                                   conv.conv_out_size(h, k, s), 3)))
-            res = {path: conv.depthwise_forward(x, w, s, F64, path)[1]
+            res = {path: conv.depthwise_forward(x, w, s, F64, path=path, crop_unread=True)[1]
                    for path in ("grouped", "phased")}
             dx = jax.jit(lambda res, dy: conv.depthwise_vjp(res, dy)[0])
             np.testing.assert_allclose(dx(res["phased"], dy), dx(res["grouped"], dy),
@@ -204,7 +209,7 @@ def test_one_pass_depthwise_weight_vjp_reduces_once():
         x = jnp.asarray(rng.standard_normal((2, 9, 9, 3)))
         w = jnp.asarray(rng.standard_normal((3, 1, 5, 5)))
         dy = jnp.asarray(rng.standard_normal((2, 5, 5, 3)))
-        res = {path: conv.depthwise_forward(x, w, 2, F64, path)[1]
+        res = {path: conv.depthwise_forward(x, w, 2, F64, path=path, crop_unread=True)[1]
                for path in ("shift", "shift-one-pass")}
         dw = jax.jit(lambda res, dy: conv.depthwise_vjp(res, dy)[1])
         want = dw(res["shift"], dy)
@@ -216,34 +221,34 @@ def test_one_pass_depthwise_weight_vjp_reduces_once():
 
 
 def test_a_gpu_takes_its_levers_and_every_other_platform_the_others():
-    """A Setup that leaves the levers None takes the platform's (docs/precision.md#gpu-levers):
-    a GPU's (jax's gpu, jax.export's cuda and rocm) run the conv paths cuDNN takes, pad both
-    sides and take one-pass BN moments, this CPU's its fast conv paths, crop and take two-pass;
-    `twinstep tie --gpu-levers` builds a GPU's, ``--depthwise-path`` overrides its path; one-pass
-    moments equal two-pass in f64 to rounding, and an unknown kind is refused. Control: the two
-    moments' programs differ, so the lever is not a no-op."""
+    """Levers left None take the platform's (docs/precision.md#gpu-levers): a GPU's (jax's gpu,
+    jax.export's cuda and rocm) run the conv paths cuDNN takes, pad both sides and take
+    one-pass BN moments, this CPU's its fast conv paths, crop and take two-pass; `twinstep tie
+    --gpu-levers` builds a GPU's, ``--depthwise-path`` overrides its path; one-pass moments
+    equal two-pass in f64 to rounding, and an unknown value is refused in one line. Control:
+    the two moments' programs differ, so the lever is not a no-op."""
     from twinstep import program
     from twinstep.checking import tie
     from twinstep.ops import batchnorm
+    from twinstep.ops.levers import Levers
     from twinstep.ops.precision import BF16
 
-    for gpu in ("gpu", "cuda", "rocm"):
-        assert program.platform_levers(gpu) == program.GPU_LEVERS
-    assert program.platform_levers() == program.platform_levers("cpu") == program.CPU_LEVERS
-    assert program.GPU_LEVERS.keys() == program.CPU_LEVERS.keys()
-    assert all(program.GPU_LEVERS[k] != program.CPU_LEVERS[k] for k in program.GPU_LEVERS)
-    ctx = program.Setup().context()
-    assert (ctx.crop_unread, ctx.bn_moments) == (True, "two-pass")
-    ctx = program.Setup(**program.GPU_LEVERS).context()
-    assert (ctx.crop_unread, ctx.bn_moments) == (False, "one-pass")
-    for gpu_levers, want in ((True, program.GPU_LEVERS), (False, program.CPU_LEVERS)):
-        setup = tie.TieConfig(gpu_levers=gpu_levers).setup(BF16)  # `twinstep tie --gpu-levers`
-        for ctx in (setup.context(), setup.single().context()):
-            assert {k: getattr(ctx, k) for k in want} == want
-        setup = tie.TieConfig(gpu_levers=gpu_levers, depthwise_path="phased").setup(BF16)
-        assert setup.context().depthwise_path == "phased"
-    with pytest.raises(UsageError, match="unknown --depthwise-path"):
-        tie.TieConfig(depthwise_path="dilated")
+    gpu, cpu = Levers.of("gpu"), Levers.of("cpu")
+    assert all(Levers.of(p) == gpu for p in ("cuda", "rocm")) and Levers().on() == cpu
+    assert (gpu.crop_unread, gpu.bn_moments, gpu.dense_path) == (False, "one-pass", "conv")
+    assert (cpu.crop_unread, cpu.bn_moments, cpu.dense_path) == (True, "two-pass", "matmul")
+    assert program.Setup().context().levers == cpu
+    assert program.Setup(levers=Levers(bn_moments="one-pass")).context().levers == \
+        dataclasses.replace(cpu, bn_moments="one-pass")
+    for on_gpu, want in ((True, gpu), (False, cpu)):
+        cfg = tie.TieConfig(levers=Levers.chosen(gpu=on_gpu))  # `twinstep tie --gpu-levers`
+        for ctx in (cfg.setup(BF16).context(), cfg.setup(BF16).single().context()):
+            assert ctx.levers == want
+        cfg = tie.TieConfig(levers=Levers.chosen(gpu=on_gpu, depthwise_path="phased"))
+        assert cfg.setup(BF16).context().levers == dataclasses.replace(want,
+                                                                       depthwise_path="phased")
+    with pytest.raises(UsageError, match="unknown depthwise_path 'dilated'; choose from shift"):
+        Levers(depthwise_path="dilated")
     x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 3, 3, 5)) * 3 + 2)
     two, one = (jax.jit(lambda x, m=m: batchnorm.bn_forward_site(x, moments=m)) for m in
                 batchnorm.MOMENTS)
@@ -252,6 +257,47 @@ def test_a_gpu_takes_its_levers_and_every_other_platform_the_others():
     assert one.lower(x).as_text() != two.lower(x).as_text()  # control
     with pytest.raises(ValueError, match="unknown BN moments"):
         batchnorm.bn_forward_site(x, moments="three-pass")
+
+
+def test_a_lever_is_one_field_that_flags_summaries_and_sweeps_are_made_from(monkeypatch):
+    """`twinstep tie`'s lever flags (`twinstep.cli.options.levers`), its summary line and the
+    lease's A/B list are generated from `Levers`' fields: one flag per field with its choices,
+    the summary as each field says it, one A/B entry per candidate value. Control: a lever
+    added as one field — no other line — gets its flag, its summary and its A/B entry, and an
+    unknown value of it is refused."""
+    import argparse
+
+    from twinstep.cli import options
+    from twinstep.ops import levers as levers_module
+    from twinstep.ops.levers import Levers, lever
+
+    def flags():
+        p = argparse.ArgumentParser()
+        options.levers(p, "both programs")
+        return {a.option_strings[0]: a.choices for a in p._actions if a.option_strings}
+
+    got = flags()
+    assert list(got) == ["-h", "--gpu-levers", *("--" + f.name.replace("_", "-")
+                                                 for f in dataclasses.fields(Levers))]
+    assert got["--relu-mask"] == ("bool", "bits")
+    assert Levers.chosen(gpu=True, store="bf16").describe() == "a GPU's levers, stored in bf16"
+    assert Levers(relu_mask="bits").describe() == "ReLU masks as bits"
+    assert levers_module.candidates()["relu_mask=bits"] == {"relu_mask": "bits"}
+
+    new = dataclasses.make_dataclass(  # the control: one lever more, one field
+        "Levers", [("tile", "str | None", lever(cpu="8", gpu="16", choices=("8", "16"),
+                                                 says="tiles of {}", candidates=("16",),
+                                                 help="a made-up lever"))],
+        bases=(Levers,), frozen=True, kw_only=True)
+    monkeypatch.setattr(levers_module, "Levers", new)
+    assert flags()["--tile"] == ("8", "16")
+    assert levers_module.candidates()["tile=16"] == {"tile": "16"}
+    assert new(tile="16").describe() == "tiles of 16"
+    assert new.chosen(gpu=True).tile == "16" and new.chosen(gpu=True).describe() == "a GPU's levers"
+    args = {"gpu_levers": None, "tile": "16"}
+    assert options.chosen_levers(args) == new(tile="16") and args == {}
+    with pytest.raises(UsageError, match="unknown tile '4'"):
+        new(tile="4")
 
 
 def test_relu_masks_as_bits_are_the_same_masks_in_an_eighth_of_the_bytes(grad_program_text):
@@ -264,12 +310,12 @@ def test_relu_masks_as_bits_are_the_same_masks_in_an_eighth_of_the_bytes(grad_pr
     import re
 
     from twinstep import program
-    from twinstep.checking import tie
     from twinstep.ops import activation
+    from twinstep.ops.levers import Levers
 
     rng = np.random.default_rng(0)
     x, dy = (jnp.asarray(rng.standard_normal((2, 5, 5, 24))) for _ in range(2))
-    (y, bools), (y_bits, bits) = activation.relu_forward(x), activation.relu_forward(x, "bits")
+    (y, bools), (y_bits, bits) = (activation.relu_forward(x, m) for m in ("bool", "bits"))
     np.testing.assert_array_equal(y_bits, y)
     np.testing.assert_array_equal(activation.relu_vjp(bits, dy), activation.relu_vjp(bools, dy))
     assert bits.dtype == jnp.uint8 and bits.nbytes * 8 == bools.nbytes
@@ -279,10 +325,8 @@ def test_relu_masks_as_bits_are_the_same_masks_in_an_eighth_of_the_bytes(grad_pr
     assert float(jnp.mean(wrong != activation.relu_vjp(bools, dy))) > 0.25
     u8 = re.compile(r"tensor<[0-9x]*xui8>")
     for net_name in ("resnet50", "mnv4"):
-        found = [len(u8.findall(grad_program_text(net_name, program.Setup(relu_mask=m))))
-                 for m in (None, "bits")]
+        found = [len(u8.findall(grad_program_text(
+            net_name, program.Setup(levers=Levers(relu_mask=m))))) for m in (None, "bits")]
         assert found[0] == 0 < found[1], (net_name, found)
-    with pytest.raises(UsageError, match="unknown --relu-mask"):
-        tie.TieConfig(relu_mask="nibbles")
-    with pytest.raises(ValueError, match="unknown relu_mask"):
-        program.Setup(relu_mask="nibbles").context()
+    with pytest.raises(UsageError, match="unknown relu_mask 'nibbles'; choose from bool, bits"):
+        Levers(relu_mask="nibbles")

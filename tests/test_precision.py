@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from twinstep.errors import UsageError
 from twinstep.ops import conv
 from twinstep.ops.precision import BF16, F32, F64, get_precision
 
@@ -27,9 +28,10 @@ def signatures(fn, *args, op=CONV_OP):
 def conv_and_vjps(x, w, stride, precision, depthwise, path=None):
     """(y, dx, dw); path: the depthwise or dense path (default: grouped / conv)."""
     if depthwise:
-        y, res = conv.depthwise_forward(x, w, stride, precision, path or "grouped")
+        y, res = conv.depthwise_forward(x, w, stride, precision, path=path or "grouped",
+                                        crop_unread=True)
         return (y, *conv.depthwise_vjp(res, jnp.ones_like(y)))
-    y, res = conv.conv2d_forward(x, w, stride, precision, path or "conv")
+    y, res = conv.conv2d_forward(x, w, stride, precision, path=path or "conv", crop_unread=True)
     return (y, *conv.conv2d_vjp(res, jnp.ones_like(y)))
 
 
@@ -134,29 +136,34 @@ def test_one_pass_moments_in_f32_round_far_below_bf16(net_name):
 
 
 def test_bf16_storage_rounds_between_ops_and_reaches_both_nets(rng, grad_program_text):
-    """``store="bf16"`` (docs/precision.md#bf16-storage): `Precision.stored` rounds to bf16 and
-    keeps the dtype, once (idempotent), and is the identity without it; only bf16 may store in
-    bf16. Control: in each net's gradient step it adds bf16 rounding points between ops (the
+    """``store="bf16"`` (docs/precision.md#bf16-storage): `precision.stored` rounds to bf16
+    and keeps the dtype, once (idempotent), and is the identity without it; only bf16 may
+    store in bf16 (`Levers.check`, for a program's `Setup` and a tie's config alike).
+    Control: in each net's gradient step it adds bf16 rounding points between ops (the
     forward's outputs, the residual adds, the cotangent sums), so the switch is not a no-op, and
     each is a bf16 array behind an optimization barrier — what makes XLA:GPU hold it in bf16
-    (bench/gpu_twin.py measures the bytes; tests/test_gpu_twin.py fails without the barrier)."""
+    (bench/gpu/twin.py measures the bytes; tests/test_gpu_twin.py fails without the barrier)."""
     from twinstep import program
-    from twinstep.ops.precision import Precision
+    from twinstep.checking import tie
+    from twinstep.ops.levers import Levers
+    from twinstep.ops.precision import stored
 
-    store = Precision("bf16", store="bf16")
     x = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
-    y = store.stored(x)
+    y = stored(x, "bf16")
     assert y.dtype == jnp.float32 and np.array_equal(y, x.astype(jnp.bfloat16).astype(y.dtype))
-    assert not np.array_equal(y, x) and np.array_equal(store.stored(y), y)
-    assert BF16.stored(x) is x
+    assert not np.array_equal(y, x) and np.array_equal(stored(y, "bf16"), y)
+    assert stored(x, "dtype") is x
     for name in ("f32", "f64"):
-        with pytest.raises(ValueError, match="only bf16 stores in bf16"):
-            Precision(name, store="bf16")
+        with pytest.raises(ValueError, match="only bf16 stores activations in bf16"):
+            program.Setup(precision=name, levers=Levers(store="bf16"))
+        with pytest.raises(UsageError, match="only bf16 stores activations in bf16"):
+            tie.TieConfig(precision=name, levers=Levers(store="bf16"))
     to_bf16 = re.compile(r"stablehlo\.convert.*-> tensor<[^>]*bf16>")
     held = re.compile(r"stablehlo\.optimization_barrier %\S+ : tensor<[^>]*bf16>")
     for net_name in ("resnet50", "mnv4"):
-        texts = [grad_program_text(net_name, program.Setup(precision="bf16", store=s))
-                 for s in (None, "bf16")]
+        texts = [grad_program_text(net_name, program.Setup(precision="bf16",
+                                                           levers=Levers(store=s)))
+                 for s in ("dtype", "bf16")]
         counts = [len(to_bf16.findall(text)) for text in texts]
         assert counts[1] > counts[0] > 0, (net_name, counts)
         barriers = [len(held.findall(text)) for text in texts]

@@ -28,6 +28,10 @@ from hypothesis import strategies as st
 from twinstep.checking import bounds, inputs, tie
 from twinstep.collectives import CONTROLS, MASK_CONTROLS
 from twinstep.nets import get_net
+from twinstep.ops import levers
+from twinstep.ops.levers import Levers
+
+GPU = Levers.of("gpu")  # `twinstep tie --gpu-levers`
 
 COUNTS = {"resnet50": (161, 53), "mnv4": (233, 77)}  # parameter tensors, BN sites
 ALL = pytest.mark.all
@@ -228,7 +232,7 @@ def test_bf16_ties_at_the_partial_sum_boundary(net, replicas):
     blocks.3.7 exactly 0 on the single device, rounding noise on the replicas), which the bound
     once took for a bug."""
     r = run(net=net, precision="bf16", replicas=replicas, batch=1 if net == "mnv4" else None,
-            gpu_levers=True)
+            levers=GPU)
     assert_tied(r)
     convs = [p for p in r.parameters if len(p["shape"]) == 4]
     assert convs and all(p["bound_kind"].startswith("bf16 partial-sum") for p in convs)
@@ -240,7 +244,7 @@ def test_bf16_ties_at_the_partial_sum_boundary(net, replicas):
         # the BN statistics cannot see it (unlike unsynced, caught by them whatever the conv
         # bound says): every conv weight gradient must fail its elementwise bf16 bound
         broken = run(net=net, precision="bf16", replicas=replicas, control="divisor-plus-one",
-                     gpu_levers=True)
+                     levers=GPU)
         assert broken.status == "NOT tied"
         assert all(b["ok"] for b in broken.bn_sites) and broken.replicas_agree
         failing = [p for p in broken.parameters if not p["ok"]]
@@ -261,23 +265,21 @@ def test_bf16_storage_ties_and_a_control_fails():
     the same bounds; ResNet-50 at R = 2 (residual adds, the cotangent sums, the pooled and
     max-pooled cotangents, every ReLU); and divisor-plus-one still fails. Both nets at R = 2,
     4, 8, each lever alone: test-all's sweep."""
-    storage = {"precision": "bf16", "replicas": 2, "gpu_levers": True, "store": "bf16",
-               "relu_mask": "bits"}
+    storage = {"precision": "bf16", "replicas": 2,
+               "levers": Levers.chosen(gpu=True, store="bf16", relu_mask="bits")}
     assert_tied(run(net="resnet50", **storage))
     assert run(net="resnet50", control="divisor-plus-one", **storage).status == "NOT tied"
 
 
-# the bf16 variants test-all ties: this machine's levers, a GPU's, a GPU's with bf16 storage,
-# with ReLU masks as bits, with each candidate depthwise path (MobileNetV4 only: ResNet-50 has
-# no depthwise)
-BF16_VARIANTS = {"cpu": {}, "gpu": {"gpu_levers": True},
-                 "gpu-store": {"gpu_levers": True, "store": "bf16"},
-                 "gpu-bits": {"gpu_levers": True, "relu_mask": "bits"},
-                 "gpu-phased": {"gpu_levers": True, "depthwise_path": "phased"},
-                 "gpu-shift-one-pass": {"gpu_levers": True, "depthwise_path": "shift-one-pass"}}
+# the bf16 variants test-all ties: this machine's levers, a GPU's, and a GPU's with each
+# candidate lever value (`levers.candidates`: bf16 storage, ReLU masks as bits, each candidate
+# depthwise path — MobileNetV4 only: ResNet-50 has no depthwise)
+BF16_VARIANTS = {"cpu": Levers(), "gpu": GPU,
+                 **{f"gpu-{name}": Levers.chosen(gpu=True, **given)
+                    for name, given in levers.candidates().items()}}
 BF16_NET_VARIANTS = [pytest.param(net, v, id=f"{net}-{name}")
                      for net in ("resnet50", "mnv4") for name, v in BF16_VARIANTS.items()
-                     if net == "mnv4" or "depthwise_path" not in v]
+                     if net == "mnv4" or not name.startswith("gpu-depthwise_path")]
 
 
 @pytest.mark.slow
@@ -289,7 +291,7 @@ def test_bf16_sweep(net, replicas, batch, res, variant):
     """bf16 ties across R x N (and 64² at R = 2), in each of `BF16_VARIANTS`: no false alarm
     anywhere (docs/tie.md#bf16)."""
     assert_tied(run(net=net, precision="bf16", replicas=replicas, batch=batch, res=res,
-                    **variant))
+                    levers=variant))
 
 
 @pytest.mark.slow
@@ -299,7 +301,7 @@ def test_bf16_sweep(net, replicas, batch, res, variant):
 def test_bf16_controls_fail(net, control, variant):
     """The bf16 bound, with its allowance for structural zeros, still sees the subtle controls
     at R = 2, in each of `BF16_VARIANTS`."""
-    r = run(net=net, precision="bf16", replicas=2, control=control, **variant)
+    r = run(net=net, precision="bf16", replicas=2, control=control, levers=variant)
     assert r.status == "NOT tied"
 
 

@@ -32,10 +32,12 @@ def test_conv_matches_torch(k, s, kind, rng):
     w = rng.standard_normal((c, c if dense else 1, k, k))
     dy = rng.standard_normal((2, conv.conv_out_size(9, k, s), conv.conv_out_size(9, k, s), c))
     if dense:
-        y, res = conv.conv2d_forward(jnp.asarray(x), jnp.asarray(w), s, F64, kind)
+        y, res = conv.conv2d_forward(jnp.asarray(x), jnp.asarray(w), s, F64, path=kind,
+                                     crop_unread=True)
         dx, dw = conv.conv2d_vjp(res, jnp.asarray(dy))
     else:
-        y, res = conv.depthwise_forward(jnp.asarray(x), jnp.asarray(w), s, F64, kind)
+        y, res = conv.depthwise_forward(jnp.asarray(x), jnp.asarray(w), s, F64, path=kind,
+                                        crop_unread=True)
         dx, dw = conv.depthwise_vjp(res, jnp.asarray(dy))
     tx, tw = nchw(x), torch.tensor(w, requires_grad=True)
     ty = F.conv2d(tx, tw, stride=s, padding=conv.conv_padding(k),
@@ -86,7 +88,8 @@ def test_batchnorm_train_matches_torch(rng):
     g, b = rng.standard_normal(3), rng.standard_normal(3)
     rm, rv = rng.standard_normal(3), rng.uniform(0.5, 2, 3)
     dy = rng.standard_normal(x.shape)
-    y, res, stats = batchnorm.bn_train_forward(jnp.asarray(x), jnp.asarray(g), jnp.asarray(b))
+    y, res, stats = batchnorm.bn_train_forward(jnp.asarray(x), jnp.asarray(g), jnp.asarray(b),
+                                               moments="two-pass")
     dx, dg, db = batchnorm.bn_train_vjp(res, jnp.asarray(dy))
     new_rm, new_rv = batchnorm.bn_running_update(jnp.asarray(rm), jnp.asarray(rv), stats)
 

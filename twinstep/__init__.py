@@ -10,20 +10,25 @@ does not start JAX, so the API can still ask JAX for R virtual CPU devices).
 """
 
 from twinstep.errors import UsageError
+from twinstep.version import __version__
 
-__version__ = "0.1.0"
 API = ("tie", "tie_steps", "tie_render", "render", "load_render", "parse_recipe", "get_net",
        "devices", "train", "pack", "join")
-__all__ = ["UsageError", "TrainConfig", "__version__", *API]
+__all__ = ["UsageError", "TrainConfig", "Levers", "__version__", *API]
 
 
 def __getattr__(name: str):
+    # lazy, the facade's reason: ``import twinstep`` imports no JAX (api and TrainConfig do)
     if name in API:
         from twinstep import api
 
         return getattr(api, name)
     if name == "TrainConfig":  # train's configuration, made and checked before training
-        from twinstep.training.config import TrainConfig
+        from twinstep.training.config import TrainConfig  # lazy: the facade's reason, above
 
         return TrainConfig
+    if name == "Levers":  # tie's and a Setup's levers (docs/precision.md#gpu-levers)
+        from twinstep.ops.levers import Levers  # lazy: the facade's reason, above
+
+        return Levers
     raise AttributeError(f"module 'twinstep' has no attribute {name!r}")

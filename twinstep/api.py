@@ -4,19 +4,32 @@ Each function sets JAX up as it needs: the virtual CPU devices for R replicas (p
 before JAX's first operation — otherwise a one-line UsageError says what to do), and float64
 for the exact checks, switched on for the call and restored after it. Configurations are
 checked before anything compiles; bad ones raise `twinstep.UsageError` with one line.
+
+Importing this module imports JAX and the rest of the package, and starts no JAX backend (no
+module of twinstep does at import: tests/test_imports.py), so those settings still take.
+``import twinstep`` alone imports neither: the facade loads this module when first asked.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
+
+from twinstep import dp, nets, recipes
+from twinstep.checking import trajectory
+from twinstep.checking.tie import TieConfig, run_tie
+from twinstep.data import packed
 from twinstep.errors import UsageError
+from twinstep.processes import cluster, disk, settings
+from twinstep.rendering import reader
+from twinstep.rendering import render as renders
+from twinstep.training import loop
+from twinstep.training.config import TrainConfig
 
 
 def get_net(name: str):
     """The network ``name`` ("resnet50", "mnv4"): a module implementing `twinstep.nets.Net`."""
-    from twinstep import nets
-
     try:
         return nets.get_net(name)
     except ValueError as e:
@@ -25,8 +38,6 @@ def get_net(name: str):
 
 def parse_recipe(name: str):
     """The `twinstep.recipes.Recipe` a recipe name or preset stands for."""
-    from twinstep import recipes
-
     return recipes.parse(name)
 
 
@@ -39,9 +50,6 @@ def join(coordinator: str | None = None, num_processes: int | None = None,
     (`twinstep.processes.cluster`). ``replicas``: how many replicas the processes will run
     together (on CPU each process asks for its share of virtual devices). Raises
     `twinstep.errors.ClusterError` when the runtime cannot be joined."""
-    from twinstep import dp
-    from twinstep.processes import cluster
-
     dp.ensure_devices(-(-replicas // (num_processes or 1)))  # before JAX starts, as joining is
     cluster.initialize(coordinator, num_processes, process_id)  # checks the flags first
 
@@ -50,11 +58,6 @@ def devices(replicas: int) -> None:
     """Make sure JAX has ``replicas`` devices: on CPU, ask for that many virtual devices, which
     is possible only before JAX's first operation. With several processes R is shared out
     evenly (`twinstep.processes.cluster.replica_devices`)."""
-    import jax
-
-    from twinstep import dp
-    from twinstep.processes import cluster
-
     dp.ensure_devices(replicas)
     if cluster.count() > 1:
         cluster.replica_devices(replicas)  # refuses an R the processes cannot share
@@ -68,19 +71,16 @@ def devices(replicas: int) -> None:
 
 def _x64(precision: str):
     """float64 for the call when the check is exact (f64, and bf16's f64 around bf16 convs)."""
-    from twinstep.processes import settings
-
     return settings.jax_settings(jax_enable_x64=precision in ("f64", "bf16"))
 
 
 def tie(net: str = "resnet50", progress=None, **config):
     """Tie one gradient step: R replicas of N against one device at R N, every parameter
     gradient, BN statistic, the loss and the running statistics. ``config``: the fields of
-    `twinstep.checking.tie.TieConfig`, by keyword (each a `twinstep tie` flag: docs/tie.md).
+    `twinstep.checking.tie.TieConfig`, by keyword (each a `twinstep tie` flag: docs/tie.md;
+    ``levers`` a `twinstep.Levers`, e.g. ``Levers.chosen(gpu=True, store="bf16")``).
     Returns a `twinstep.checking.tie.TieReport` (``.ok``, ``.verdict()``, ``.to_json()``);
     ``progress(text)`` is told what runs now."""
-    from twinstep.checking.tie import TieConfig, run_tie
-
     cfg = TieConfig(net=net, **config)
     if cfg.recipe:
         raise UsageError("a recipe ties whole steps: call twinstep.tie_steps")
@@ -95,11 +95,7 @@ def tie_steps(recipe: str, steps: int | None = None, progress=None, **config):
     step. ``config``: TieConfig's fields (the net, batch and loss come from the recipe).
     Returns a `twinstep.checking.trajectory.StepsReport`; with several processes, process 0's
     holds the comparison and the others' only its status (docs/hosts.md)."""
-    from twinstep.checking import trajectory
-    from twinstep.checking.tie import TieConfig
-
-    net = config.pop("net", None) or parse_recipe(recipe).net
-    cfg = TieConfig(net=net, recipe=recipe, **config)
+    cfg = TieConfig(recipe=recipe, **config)  # the net: the recipe's, unless config names one
     devices(cfg.replicas)
     with _x64(cfg.precision):
         return trajectory.run_steps_tie(cfg, steps=trajectory.STEPS if steps is None else steps,
@@ -116,16 +112,12 @@ class LoadedRender(NamedTuple):
     def step(self, fast_compile: bool = False, donate: bool = False):
         """The render as a train step (state, xs, ts, key) -> (state, {"loss", "lr"}), on the
         manifest's R devices."""
-        from twinstep.rendering import reader
-
         devices(self.manifest["replicas"])
         return reader.step(self.exported, self.manifest, fast_compile, donate)
 
 
 def load_render(path: str) -> LoadedRender:
     """NAME.jaxexport and the NAME.json beside it, checked against each other (sha256)."""
-    from twinstep.rendering import reader
-
     devices(reader.read_manifest(path).get("replicas", 1))  # before JAX starts: its R devices
     exported, manifest = reader.load(path)
     return LoadedRender(exported, manifest, path)
@@ -138,11 +130,6 @@ def tie_render(path: str, steps: int | None = None, *, seed: int = 0, shift: boo
     NAME.jaxexport (the deserialized program on XLA, rendered for this platform) or NAME.vmfb
     ('render --target iree': IREE's module on IREE's CPU driver). Returns a
     `twinstep.checking.trajectory.StepsReport`."""
-    from twinstep.checking import trajectory
-    from twinstep.checking.tie import TieConfig
-    from twinstep.rendering import reader
-    from twinstep.rendering.render import local_platform
-
     on_iree = path.endswith(reader.IREE_SUFFIX)
     if on_iree:
         vmfb, exported, m = reader.load_iree(path)
@@ -152,12 +139,12 @@ def tie_render(path: str, steps: int | None = None, *, seed: int = 0, shift: boo
     if m["precision"] != "f64":
         raise UsageError(f"{path} is a {m['precision']} render; the tie is exact in f64: render "
                          f"it again with --precision f64 (the same program in f64)")
-    if not on_iree and m["platform"] != local_platform():
+    if not on_iree and m["platform"] != renders.local_platform():
         raise UsageError(f"{path} was rendered for {m['platform']}; this process runs "
-                         f"{local_platform()}")
-    cfg = TieConfig(m["net"], m["replicas"], m["batch"], m["res"], m["classes"],
-                    parse_recipe(m["name"]).loss, "f64", seed, shift, "none", fast_compile,
-                    m["name"])
+                         f"{renders.local_platform()}")
+    cfg = TieConfig(net=m["net"], replicas=m["replicas"], batch=m["batch"], res=m["res"],
+                    classes=m["classes"], precision="f64", seed=seed, shift=shift,
+                    fast_compile=fast_compile, recipe=m["name"])
     with _x64("f64"):
         replica = (reader.iree_step(vmfb, exported, m) if on_iree
                    else loaded.step(fast_compile, donate=True))
@@ -174,10 +161,6 @@ def train(recipe, out: str | None = None, progress=None, warn=None, **config) ->
     — or ``recipe`` a TrainConfig already made, alone. ``progress(step, metrics)`` is told of
     every step and of each evaluation as it starts (metrics["phase"]); ``warn(text)`` once of
     images that do not decode."""
-    from twinstep.processes import disk
-    from twinstep.training import loop
-    from twinstep.training.config import TrainConfig
-
     if isinstance(recipe, TrainConfig):
         if out is not None or config:
             raise UsageError("train(TrainConfig) takes no other configuration")
@@ -196,9 +179,6 @@ def pack(folder: str, out: str, max_side: int | None = None, quality: int | None
     .packed`: images re-encoded with their short side at most ``max_side``, default 320, as
     ArrayRecord shards); returns its manifest. ``progress(split, done, total)`` is told of
     every image."""
-    from twinstep.data import packed
-    from twinstep.processes import disk
-
     disk.check_writable_folder(out, "--out")
     return packed.pack(folder, out, max_side=max_side or packed.MAX_SIDE,
                        quality=quality or packed.QUALITY, progress=progress)
@@ -210,16 +190,13 @@ def render(name: str, replicas: int = 1, out: str | None = None, **config):
     `twinstep render` flag: docs/renders.md). With ``out`` the three files are written there
     (and NAME.vmfb with target="iree"). Returns a `twinstep.rendering.render.Render`
     (``.exported``, ``.mlir``, ``.manifest``, ``.vmfb``)."""
-    from twinstep.processes import disk
-    from twinstep.rendering.render import RenderConfig, make, write
-
-    cfg = RenderConfig(name, replicas, **config)
+    cfg = renders.RenderConfig(name, replicas, **config)
     if out is not None:
         disk.check_writable_folder(out, "out")
-    made = make(cfg)
+    made = renders.make(cfg)
     if out is not None:
         try:
-            write(made, out)
+            renders.write(made, out)
         except OSError as e:
             raise UsageError(f"cannot write into {out}: {e}") from None
     return made

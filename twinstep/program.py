@@ -33,72 +33,40 @@ from twinstep import dp, optim, step
 from twinstep.collectives import SINGLE
 from twinstep.data import device_ops, transforms
 from twinstep.nets import Net, layers
-from twinstep.ops import activation, conv
+from twinstep.ops.levers import Levers
 from twinstep.ops.precision import Precision, get_precision
 from twinstep.processes import cluster, settings
 
-# What a GPU's programs take where a Setup leaves a lever None: the conv paths XLA:GPU runs as
-# cuDNN convolutions, and two levers each faster there in one A/B run, all tied in bf16
-# (docs/precision.md#gpu-levers); every other platform takes the other values.
-GPU_LEVERS = {"dense_path": conv.default_dense_path("gpu"),
-              "depthwise_path": conv.default_depthwise_path("gpu"),
-              "crop_unread": False, "bn_moments": "one-pass"}
-CPU_LEVERS = {"dense_path": conv.default_dense_path("cpu"),
-              "depthwise_path": conv.default_depthwise_path("cpu"),
-              "crop_unread": True, "bn_moments": "two-pass"}
 
-
-def platform_levers(platform: str | None = None) -> dict:
-    """The levers' values on ``platform`` (default: this process's backend; jax.default_backend
-    says gpu, jax.export cuda or rocm): `GPU_LEVERS` on a GPU, else `CPU_LEVERS`."""
-    gpu = (platform or jax.default_backend()) in ("gpu", "cuda", "rocm")
-    return dict(GPU_LEVERS if gpu else CPU_LEVERS)
-
-
-class Setup(NamedTuple):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Setup:
     """Where and how a step program runs, one value for every factory: on ``replicas``
     replicas (R), at ``precision`` (`twinstep.ops.precision`), with a negative ``control``
-    (`twinstep.collectives.CONTROLS`), by the conv paths ``depthwise_path`` and ``dense_path``
-    (`twinstep.ops.conv`), strided convolutions cropping their unread padding or not
-    (``crop_unread``; IREE compiles only the crop) and BN's moments two-pass or one-pass
-    (``bn_moments``; `twinstep.ops.batchnorm.MOMENTS`); those four None: the platform's
-    (`platform_levers`). ``store``: "bf16" rounds activations and
-    cotangents to bf16 between ops (`twinstep.ops.precision.Precision.store`; bf16 only).
-    ``relu_mask``: "bits" keeps each ReLU's mask as bits, "bool" or None as bools
-    (`twinstep.ops.activation.MASKS`; the same values either way)."""
+    (`twinstep.collectives.CONTROLS`), with ``levers`` (`twinstep.ops.levers.Levers`; those
+    left None take the platform's when a program is built). Checks itself on construction."""
 
     replicas: int = 1
     precision: str | Precision = "f32"
     control: str = "none"
-    depthwise_path: str | None = None
-    dense_path: str | None = None
-    crop_unread: bool | None = None
-    bn_moments: str | None = None
-    store: str | None = None
-    relu_mask: str | None = None
+    levers: Levers = Levers()
+
+    def __post_init__(self):
+        self.levers.check(get_precision(self.precision))
 
     def single(self) -> Setup:
         """The single device this setup is tied to: R = 1, no control."""
-        return self._replace(replicas=1, control="none")
+        return dataclasses.replace(self, replicas=1, control="none")
 
     def context(self, train: bool = True) -> layers.Ctx:
         """What a step's ops run in: the single device at R = 1, else R replicas on
-        `dp.AXIS`."""
+        `dp.AXIS`; every lever resolved on this process's platform."""
         single = self.replicas == 1 and self.control == "none"
         rep = SINGLE if single else dp.replicas(self.replicas, self.control)
-        levers = {k: v if getattr(self, k) is None else getattr(self, k)
-                  for k, v in platform_levers().items()}
-        precision = get_precision(self.precision)
-        if self.store is not None:
-            precision = dataclasses.replace(precision, store=self.store)
-        if self.relu_mask not in (None, *activation.MASKS):
-            raise ValueError(f"unknown relu_mask {self.relu_mask!r}; choose "
-                             f"{' or '.join(activation.MASKS)}")
-        return layers.Ctx(rep, precision, train=train, relu_mask=self.relu_mask or "bool",
-                          **levers)
+        return layers.Ctx(replicas=rep, precision=get_precision(self.precision), train=train,
+                          levers=self.levers.on())
 
 
-ONE_DEVICE = Setup()  # the factories' default: one device, f32, the platform's conv paths
+ONE_DEVICE = Setup()  # the factories' default: one device, f32, the platform's levers
 
 
 def _stacked(tree):

@@ -12,6 +12,7 @@ import numpy as np
 
 from twinstep.collectives import Replicas
 from twinstep.ops import activation, batchnorm, conv, dense, elementwise, loss, pool
+from twinstep.ops.levers import Levers
 from twinstep.ops.precision import F64
 
 
@@ -38,13 +39,16 @@ def normal(rng, shape, shift=0.0):
 
 
 def conv_case(rng, n, h, *, c_in, c_out, k, stride, depthwise=False, path=None) -> Case:
+    """``path`` None: the platform's (`Levers`)."""
     x = normal(rng, (n, h, h, c_in))
+    levers = Levers().on()
     if depthwise:
         w = normal(rng, (c_in, 1, k, k))
-        path = path or conv.default_depthwise_path()
+        path = path or levers.depthwise_path
 
         def fwd(rep, b, m, p):
-            return conv.depthwise_forward(b[0], p[0], stride, F64, path)
+            return conv.depthwise_forward(b[0], p[0], stride, F64, path=path,
+                                          crop_unread=levers.crop_unread)
 
         def vjp(res, dy):
             dx, dw = conv.depthwise_vjp(res, dy)
@@ -53,10 +57,11 @@ def conv_case(rng, n, h, *, c_in, c_out, k, stride, depthwise=False, path=None) 
         name = f"depthwise[{path}] k{k} s{stride}"
     else:
         w = normal(rng, (c_out, c_in, k, k)) / np.sqrt(c_in * k * k)
-        path = path or conv.default_dense_path()
+        path = path or levers.dense_path
 
         def fwd(rep, b, m, p):
-            return conv.conv2d_forward(b[0], p[0], stride, F64, path)
+            return conv.conv2d_forward(b[0], p[0], stride, F64, path=path,
+                                       crop_unread=levers.crop_unread)
 
         def vjp(res, dy):
             dx, dw = conv.conv2d_vjp(res, dy)
@@ -80,7 +85,8 @@ def bn_train_case(rng, n, h, c) -> Case:
     gamma, beta = normal(rng, (c,), 1.0), normal(rng, (c,))
 
     def fwd(rep, b, m, p):
-        y, res, _ = batchnorm.bn_train_forward(b[0], p[0], p[1], rep)
+        y, res, _ = batchnorm.bn_train_forward(b[0], p[0], p[1], rep,
+                                               moments=Levers().on().bn_moments)
         return y, res
 
     return Case("batchnorm train", fwd, _bn_case_vjp(batchnorm.bn_train_vjp), (x,), (),
@@ -101,7 +107,8 @@ def bn_eval_case(rng, n, h, c) -> Case:
 
 def relu_case(rng, n, h, c) -> Case:
     x = normal(rng, (n, h, h, c))
-    return Case("relu", lambda rep, b, m, p: activation.relu_forward(b[0]),
+    return Case("relu", lambda rep, b, m, p: activation.relu_forward(b[0],
+                                                                     Levers().on().relu_mask),
                 lambda res, dy: ((activation.relu_vjp(res, dy),), ()), (x,))
 
 

@@ -25,8 +25,8 @@ from twinstep.checking.bounds import grad_err, host, rel
 from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS, MASK_CONTROLS
 from twinstep.errors import UsageError
 from twinstep.nets import NETS, get_net
-from twinstep.ops import activation, conv
 from twinstep.ops import loss as losses
+from twinstep.ops.levers import Levers
 from twinstep.ops.precision import NAMES as PRECISIONS
 from twinstep.ops.precision import Precision
 from twinstep.processes import cluster, settings
@@ -46,12 +46,16 @@ PRECISION_DEFAULTS = {"f64": {"batch": 2, "state": "random-bn"},
                       "f32": {"batch": 4, "state": "near-init"}}
 
 
-@dataclasses.dataclass(frozen=True)
+DEFAULT_NET = "resnet50"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TieConfig:
     """What the tie runs; checks itself on construction (UsageError, one line, before any
-    compile). ``batch`` and ``loss`` left None take the recipe's (else 2 and ce)."""
+    compile), the recipe parsed once (`parsed_recipe`). ``net``, ``batch`` and ``loss`` left
+    None take the recipe's (else `DEFAULT_NET`, `PRECISION_DEFAULTS`' batch and ce)."""
 
-    net: str = "resnet50"
+    net: str | None = None
     replicas: int = 4
     batch: int | None = None  # per replica
     res: int = 32
@@ -64,12 +68,15 @@ class TieConfig:
     fast_compile: bool = False  # dp.FAST_COMPILE: same numerics, compile-dominated runs faster
     recipe: str | None = None  # whole-step ties (`run_steps_tie`): the recipe's name
     state: str | None = None  # STATES; None: PRECISION_DEFAULTS's
-    gpu_levers: bool = False  # program.GPU_LEVERS on any platform (docs/precision.md#gpu-levers)
-    store: str | None = None  # "bf16": Precision.store (docs/precision.md#bf16-storage)
-    depthwise_path: str | None = None  # None: the levers' (`twinstep.ops.conv.DEPTHWISE_PATHS`)
-    relu_mask: str | None = None  # "bits": `Setup.relu_mask` (docs/precision.md#relu-masks-as-bits)
+    # both programs' levers (`Levers.chosen`: a GPU's on any platform, or one lever alone); those
+    # left None: this platform's (docs/precision.md#gpu-levers)
+    levers: Levers = Levers()
 
     def __post_init__(self):
+        recipe = None if self.recipe is None else recipes.parse(self.recipe)
+        object.__setattr__(self, "_recipe", recipe)
+        if self.net is None:
+            object.__setattr__(self, "net", recipe.net if recipe else DEFAULT_NET)
         if self.net not in NETS:
             raise UsageError(f"unknown net {self.net!r}; choose from {sorted(NETS)}")
         for field in ("replicas", "batch", "res"):
@@ -88,15 +95,7 @@ class TieConfig:
             if getattr(self, field) not in (None, *allowed):
                 raise UsageError(f"unknown --{field} {getattr(self, field)!r}; choose from "
                                  f"{', '.join(allowed)}")
-        if self.depthwise_path not in (None, *conv.DEPTHWISE_PATHS):
-            raise UsageError(f"unknown --depthwise-path {self.depthwise_path!r}; choose from "
-                             f"{', '.join(conv.DEPTHWISE_PATHS)}")
-        if self.relu_mask not in (None, *activation.MASKS):
-            raise UsageError(f"unknown --relu-mask {self.relu_mask!r}; choose from "
-                             f"{', '.join(activation.MASKS)}")
-        if self.store not in (None, "bf16") or (self.store and self.precision != "bf16"):
-            raise UsageError(f"--store {self.store} needs --precision bf16 (only bf16 stores "
-                             f"activations in bf16)")
+        self.levers.check(Precision(self.precision))
         if self.precision == "bf16" and self.replicas & (self.replicas - 1):
             raise UsageError("a bf16 tie needs --replicas a power of two: a replica's loss "
                              "cotangent is R times the single device's, and bf16 rounding "
@@ -104,7 +103,6 @@ class TieConfig:
         if self.control != "none" and self.replicas < 2:
             raise UsageError(f"--control {self.control} breaks a collective and R = 1 has none: "
                              f"a control that cannot fire is not a pass; use --replicas >= 2")
-        recipe = self.recipe and self.parsed_recipe()
         if recipe is None and self.control in MASK_CONTROLS:
             raise UsageError(f"--control {self.control} needs --recipe with drop-path or "
                              f"dropout")
@@ -116,19 +114,15 @@ class TieConfig:
         object.__setattr__(self, "loss", self.loss or (recipe.loss if recipe else "ce"))
         object.__setattr__(self, "state", self.state or defaults["state"])
 
-    def parsed_recipe(self) -> recipes.Recipe:
-        return recipes.parse(self.recipe)
+    def parsed_recipe(self) -> recipes.Recipe | None:
+        """The recipe, parsed on construction (None without one)."""
+        return self._recipe
 
     def setup(self, prec: Precision) -> program.Setup:
-        """The replica side's `twinstep.program.Setup` at ``prec``; ``.single()`` is the
-        single device it is tied to. Its levers are this platform's, or a GPU's with
-        ``gpu_levers`` (`program.GPU_LEVERS`: its conv paths too), either with
-        ``depthwise_path`` in place of theirs."""
-        levers = dict(program.GPU_LEVERS if self.gpu_levers else {})
-        if self.depthwise_path:
-            levers["depthwise_path"] = self.depthwise_path
-        return program.Setup(self.replicas, prec, self.control, store=self.store,
-                             relu_mask=self.relu_mask, **levers)
+        """The replica side's `twinstep.program.Setup` at ``prec``, with these levers;
+        ``.single()`` is the single device it is tied to."""
+        return program.Setup(replicas=self.replicas, precision=prec, control=self.control,
+                             levers=self.levers)
 
 
 def _check_steps_config(cfg: TieConfig, recipe) -> None:

@@ -11,15 +11,23 @@ from __future__ import annotations
 
 import json
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
 from twinstep.cli import options
+from twinstep.errors import ExitStatus
+from twinstep.nets import NETS, layers
+from twinstep.ops.levers import Levers
+from twinstep.rendering import stablehlo
 
 
 def add(p) -> None:
-    from twinstep.nets import NETS
-
     p.description = ("Counts of a network's parameters (timm's names and shapes), its BatchNorm "
                      "layers and 1-D tensors, and its forward multiply-accumulates at one "
-                     "resolution (batch 1). " + options.exits({0: "printed"}))
+                     "resolution (batch 1). " + options.exits({ExitStatus.SUCCESS: "printed"}))
     p.add_argument("net", choices=sorted(NETS))
     options.count(p, "--res", 224, "input resolution (default 224)")
     options.count(p, "--classes", 1000, "classes K (default 1000)", least=2)
@@ -27,15 +35,12 @@ def add(p) -> None:
 
 
 def run(args, parser) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from twinstep import api
+    from twinstep import api  # lazy, the CLI's reason: the whole API, past 'info --help's needs
 
     d = describe(api.get_net(args.net), args.res, args.classes)
     if args.json:
         print(json.dumps(d))
-        return 0
+        return ExitStatus.SUCCESS
     table = Table(title=f"{d['net']} (timm {d['timm']}), K = {d['classes']}, {d['res']}²")
     table.add_column("")
     table.add_column("", justify="right")
@@ -46,30 +51,22 @@ def run(args, parser) -> int:
         table.add_row(label, f"{d[key]:,}")
     table.add_row("forward GMACs (convs + classifier)", f"{d['gmacs']:.2f}")
     Console().print(table)
-    return 0
+    return ExitStatus.SUCCESS
 
 
 def forward_macs(net, res: int = 224, num_classes: int = 1000) -> int:
     """The eval forward's MACs at batch 1 (module docstring)."""
-    import jax
-    import jax.numpy as jnp
-
-    from twinstep import program
-    from twinstep.rendering import stablehlo
+    from twinstep import program  # lazy, the CLI's reason: the step and optax, as in run
 
     params, buffers = program.abstract_params(net, num_classes, jnp.float32)
     x = jax.ShapeDtypeStruct((1, res, res, 3), jnp.float32)
     # every convolution one op: grouped depthwise, dense as XLA convolutions
-    forward = program.eval_program(net, program.Setup(depthwise_path="grouped",
-                                                      dense_path="conv"))
+    forward = program.eval_program(net, program.Setup(levers=Levers(depthwise_path="grouped",
+                                                                    dense_path="conv")))
     return stablehlo.macs(forward.lower(params, buffers, x).as_text())
 
 
 def describe(net, res: int = 224, num_classes: int = 1000) -> dict:
-    import numpy as np
-
-    from twinstep.nets import layers
-
     shapes = net.param_shapes(num_classes)
     return {
         "net": net.NAME,

@@ -15,19 +15,22 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from twinstep.checking import picture
+from twinstep.checking.bounds import EXIT_CODES
+from twinstep.checking.tie import PRECISION_DEFAULTS, STATES, TieConfig
 from twinstep.cli import options
 from twinstep.cli.console import mark, status, verdict_line
+from twinstep.collectives import CONTROLS
+from twinstep.errors import UsageError
+from twinstep.nets import NETS
+from twinstep.ops.precision import NAMES as PRECISIONS
+from twinstep.processes import cluster, disk
+from twinstep.rendering import reader
 
 STEP_GROUP = "the step"  # the settings a render's manifest fixes
 
 
 def add(p) -> None:
-    from twinstep.checking.tie import PRECISION_DEFAULTS, STATES, TieConfig
-    from twinstep.collectives import CONTROLS
-    from twinstep.nets import NETS
-    from twinstep.ops import activation, conv
-    from twinstep.ops.precision import NAMES as PRECISIONS
-
     default = options.defaults(TieConfig)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = (
@@ -37,8 +40,9 @@ def add(p) -> None:
         "and the running statistics to per-tensor bounds\n(docs/tie.md). NET ties one gradient "
         "step; --recipe whole training steps (docs/tie.md#whole-steps);\n--render a render "
         "from 'twinstep render' (docs/renders.md).\n\n"
-        + options.exits({0: "tied", 1: "not tied", 4: "inconclusive (within every bound, but a "
-                                                       "bound too loose to see a 1e-3 bug)"})
+        + options.exits({EXIT_CODES["tied"]: "tied", EXIT_CODES["NOT tied"]: "not tied",
+                         EXIT_CODES["inconclusive"]: "inconclusive (within every bound, but a "
+                                                     "bound too loose to see a 1e-3 bug)"})
         + "\n\nEach control injects a classic bug and must make the tie fail (R >= 2):\n"
         + "\n".join(f"  {k:<16} {v}" for k, v in CONTROLS.items()))
     p.add_argument("net", choices=sorted(NETS), nargs="?",
@@ -60,24 +64,7 @@ def add(p) -> None:
                            + ", ".join(f"{v['state']} in {k}"
                                        for k, v in PRECISION_DEFAULTS.items()))
     step.add_argument("--control", choices=sorted(CONTROLS), help="a negative control")
-    step.add_argument("--gpu-levers", action="store_const", const=True,
-                      help="build both programs as a GPU's are built (cuDNN's conv paths, "
-                           "symmetric padding, one-pass BN moments), to tie them on this "
-                           "machine; its grouped depthwise convolutions run slowly on a CPU "
-                           "(docs/precision.md#gpu-levers)")
-    step.add_argument("--depthwise-path", choices=conv.DEPTHWISE_PATHS,
-                      help="how both programs lower a depthwise convolution (default: the "
-                           "platform's, or a GPU's with --gpu-levers; phased: a GPU "
-                           "candidate, docs/precision.md#gpu-levers)")
-    step.add_argument("--store", choices=["bf16"],
-                      help="with --precision bf16: round every activation and cotangent to "
-                           "bf16 between ops, as timm's AMP stores them; a GPU lever not yet "
-                           "timed (docs/precision.md#bf16-storage)")
-    step.add_argument("--relu-mask", choices=activation.MASKS,
-                      help="how each ReLU keeps its mask for the backward: a byte an element "
-                           "(bool, the default) or a bit (bits: the same mask, an eighth of "
-                           "the bytes; a GPU lever not yet timed, "
-                           "docs/precision.md#relu-masks-as-bits)")
+    options.levers(step, "both programs")
     step.add_argument("--recipe", metavar="NAME",
                       help="tie whole training steps of this recipe (a name or preset, "
                            "'twinstep recipe'), f64")
@@ -110,13 +97,7 @@ def _fixed_by_render(parser) -> list[str]:
 
 
 def run(args, parser) -> int:
-    from twinstep import api
-    from twinstep.checking import picture
-    from twinstep.checking.bounds import EXIT_CODES
-    from twinstep.checking.tie import TieConfig
-    from twinstep.errors import UsageError
-    from twinstep.processes import cluster, disk
-    from twinstep.rendering import reader
+    from twinstep import api  # the CLI: every command's machinery, which --help need not load
 
     fixed = _fixed_by_render(parser)
     given = {k: getattr(args, k) for k in fixed if getattr(args, k) is not None}
@@ -137,6 +118,7 @@ def run(args, parser) -> int:
             raise UsageError(f"--plot {args.plot}: a .png file name")
         disk.check_writable_file(args.plot, "--plot")
     config = {**given, "seed": args.seed, "shift": args.shift, "fast_compile": args.fast_compile}
+    config["levers"] = options.chosen_levers(config)
     options.join(args, reader.read_manifest(args.render)["replicas"] if args.render
                  else config.get("replicas", TieConfig.replicas))
     primary = cluster.is_primary()  # only process 0 reports
@@ -176,10 +158,7 @@ def show_step(report, show_all: bool = False, seconds: float | None = None,
     console.print(f"[bold]{c.net}[/]: R = {c.replicas} replicas x N = {c.batch} vs one device at "
                   f"{c.replicas * c.batch}; {c.res}², K = {c.classes}, loss {c.loss}, "
                   f"{c.precision}, shift {'on' if c.shift else 'off'}, control {c.control}"
-                  + (", a GPU's levers" if c.gpu_levers else "")
-                  + (f", {c.depthwise_path} depthwise" if c.depthwise_path else "")
-                  + (f", stored in {c.store}" if c.store else "")
-                  + (f", ReLU masks as {c.relu_mask}" if c.relu_mask else ""))
+                  + "".join(f", {d}" for d in [c.levers.describe()] if d))
     rows = sorted(report.parameters, key=lambda p: -p["rel_err"] / max(p["bound"], 1e-300))
     shown = report.parameters if show_all else rows[:10]
     table = Table(title="parameter gradients: mean over replicas vs single device" +

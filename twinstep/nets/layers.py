@@ -1,5 +1,10 @@
-"""The compound layers both nets are made of — conv -> BN [-> ReLU] — and what every net shares:
-the context a forward runs in, the running-statistics update, and He / timm initialisation.
+"""The layers both nets are made of — conv -> BN [-> ReLU], the residual join, the pools — and
+what every net shares: the context a forward runs in, the running-statistics update, and He /
+timm initialisation.
+
+These are the layer boundaries: each stores what it hands on (its output, or in the backward
+the cotangent it hands back) as the levers' ``store`` asks (`twinstep.ops.precision.stored`),
+and reads every other lever from the context, so that a net calls neither (docs/nets.md).
 
 Parameters live in a flat dict keyed by timm's state_dict names; a layer is addressed by its
 prefixes (``conv="layer1.0.conv1"``, ``bn="layer1.0.bn1"``). A forward returns (y, tape): the
@@ -16,26 +21,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from twinstep.collectives import SINGLE, Replicas
-from twinstep.ops import activation, batchnorm, conv
-from twinstep.ops.precision import F32, Precision
+from twinstep.ops import activation, batchnorm, conv, elementwise, pool
+from twinstep.ops.levers import Levers
+from twinstep.ops.precision import F32, Precision, stored
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Ctx:
     """What a forward runs in: replicas (BN sync), precision policy, train (batch statistics)
-    or eval (running statistics), the dense and depthwise conv paths (None: the platform's
-    defaults), whether a strided convolution crops its unread padding (`twinstep.ops.conv`),
-    how BN computes its moments (`twinstep.ops.batchnorm.MOMENTS`) and how ReLU keeps its mask
-    (`twinstep.ops.activation.MASKS`)."""
+    or eval (running statistics), and the levers, every one resolved (`Levers.on`; default:
+    this process's platform's)."""
 
     replicas: Replicas = SINGLE
     precision: Precision = F32
     train: bool = True
-    depthwise_path: str | None = None
-    dense_path: str | None = None
-    crop_unread: bool = True
-    bn_moments: str = "two-pass"
-    relu_mask: str = "bool"
+    levers: Levers = dataclasses.field(default_factory=lambda: Levers().on())
+
+    def stored(self, x):
+        """x as the levers store it between ops."""
+        return stored(x, self.levers.store)
 
 
 class ConvBN(NamedTuple):
@@ -54,20 +58,21 @@ class ConvBNTape(NamedTuple):
 
 def conv_bn_forward(params, buffers, names: ConvBN, x, *, stride: int, ctx: Ctx,
                     relu: bool = True, depthwise: bool = False, stats: dict | None = None):
-    """x [N, H, W, Ci] -> conv -> BN -> [ReLU] -> y [N, Ho, Wo, Co]; returns (y, tape).
+    """x [N, H, W, Ci] -> conv -> BN -> [ReLU] -> y [N, Ho, Wo, Co], stored; returns (y, tape).
 
     In train mode the BN's batch statistics are recorded in ``stats[names.bn]``."""
-    w = params[names.conv + ".weight"]
+    w, levers = params[names.conv + ".weight"], ctx.levers
     if depthwise:
-        y, conv_res = conv.depthwise_forward(x, w, stride, ctx.precision, ctx.depthwise_path,
-                                             crop_unread=ctx.crop_unread)
+        y, conv_res = conv.depthwise_forward(x, w, stride, ctx.precision,
+                                             path=levers.depthwise_path,
+                                             crop_unread=levers.crop_unread)
     else:
-        y, conv_res = conv.conv2d_forward(x, w, stride, ctx.precision, ctx.dense_path,
-                                          crop_unread=ctx.crop_unread)
+        y, conv_res = conv.conv2d_forward(x, w, stride, ctx.precision, path=levers.dense_path,
+                                          crop_unread=levers.crop_unread)
     gamma, beta = params[names.bn + ".weight"], params[names.bn + ".bias"]
     if ctx.train:
         y, bn_res, bn_stats = batchnorm.bn_train_forward(y, gamma, beta, ctx.replicas,
-                                                         ctx.bn_moments)
+                                                         moments=levers.bn_moments)
         if stats is not None:
             stats[names.bn] = bn_stats
     else:
@@ -75,8 +80,8 @@ def conv_bn_forward(params, buffers, names: ConvBN, x, *, stride: int, ctx: Ctx,
                                               buffers[names.bn + ".running_var"])
     mask = None
     if relu:
-        y, mask = activation.relu_forward(y, ctx.relu_mask)
-    return ctx.precision.stored(y), ConvBNTape(names, depthwise, ctx.train, conv_res, bn_res, mask)
+        y, mask = activation.relu_forward(y, levers.relu_mask)
+    return ctx.stored(y), ConvBNTape(names, depthwise, ctx.train, conv_res, bn_res, mask)
 
 
 def conv_bn_vjp(tape: ConvBNTape, dy, grads: dict):
@@ -88,6 +93,69 @@ def conv_bn_vjp(tape: ConvBNTape, dy, grads: dict):
     conv_vjp = conv.depthwise_vjp if tape.depthwise else conv.conv2d_vjp
     dx, grads[tape.names.conv + ".weight"] = conv_vjp(tape.conv, dy)
     return dx
+
+
+class ResidualTape(NamedTuple):
+    drop: jax.Array | None  # the drop-path mask's residual, or None
+    relu: jax.Array | None  # the ReLU's mask after the add, or None
+    store: str  # the levers' store (`Levers.store`)
+
+
+def residual_forward(branch, shortcut, *, ctx: Ctx, mask=None, relu: bool = False):
+    """A residual block's end: branch [N, H, W, C] [times its drop-path ``mask`` [N]] plus
+    shortcut [N, H, W, C] [-> ReLU], stored; returns (y, tape)."""
+    drop = None
+    if mask is not None:
+        branch, drop = elementwise.mask_forward(branch, mask)
+    y, kept = elementwise.add_forward(branch, shortcut), None
+    if relu:
+        y, kept = activation.relu_forward(y, ctx.levers.relu_mask)
+    return ctx.stored(y), ResidualTape(drop, kept, ctx.levers.store)
+
+
+def residual_vjp(tape: ResidualTape, dy):
+    """(d branch, d shortcut) of `residual_forward`; the drop-path mask's product stored."""
+    if tape.relu is not None:
+        dy = activation.relu_vjp(tape.relu, dy)
+    d_branch, d_shortcut = elementwise.add_vjp(dy)
+    if tape.drop is not None:
+        d_branch = stored(elementwise.mask_vjp(tape.drop, d_branch), tape.store)
+    return d_branch, d_shortcut
+
+
+def fork_vjp(tape: ResidualTape, d_from_branch, d_from_shortcut):
+    """The cotangent of a block's input, which its branch and its shortcut both read: the sum
+    of the two, stored."""
+    return stored(d_from_branch + d_from_shortcut, tape.store)
+
+
+class PoolTape(NamedTuple):
+    res: object  # the pool op's residuals
+    store: str  # the levers' store (`Levers.store`)
+
+
+def maxpool_forward(x, *, ctx: Ctx):
+    """3x3/2 max-pool (`twinstep.ops.pool`); returns (y, tape). Its output is not stored
+    again: its values are its stored input's."""
+    y, res = pool.maxpool_forward(x)
+    return y, PoolTape(res, ctx.levers.store)
+
+
+def maxpool_vjp(tape: PoolTape, dy):
+    """dx of `maxpool_forward`, stored."""
+    return stored(pool.maxpool_vjp(tape.res, dy), tape.store)
+
+
+def gap_forward(x, *, ctx: Ctx):
+    """Global average pool x [N, H, W, C] -> [N, C]; returns (y, tape). Not stored: the head
+    reads it at once."""
+    y, res = pool.gap_forward(x)
+    return y, PoolTape(res, ctx.levers.store)
+
+
+def gap_vjp(tape: PoolTape, dy):
+    """dx [N, H, W, C] of `gap_forward`, stored."""
+    return stored(pool.gap_vjp(tape.res, dy), tape.store)
 
 
 def bn_names(param_shapes: dict) -> list[str]:

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from twinstep.nets import layers
 from twinstep.nets.layers import ConvBN, Ctx, conv_bn_forward, conv_bn_vjp
-from twinstep.ops import dense, elementwise, pool
+from twinstep.ops import dense, elementwise
 
 NAME = "mnv4"
 TIMM_NAME = "mobilenetv4_conv_medium"
@@ -95,7 +96,7 @@ STEM = Layer("conv_stem", "bn1", 3, STEM_WIDTH, 3, 2)
 HEAD = Layer("conv_head", "norm_head", HEAD_WIDTH, FEATURES, 1)
 
 
-def _uib(p: str, cin: int, cout: int, e: int, a: int, k: int, s: int) -> tuple:
+def _uib(p: str, cin: int, cout: int, *, e: int, a: int, k: int, s: int) -> tuple:
     """The layers of one universal inverted bottleneck. timm puts the stride on the middle
     depthwise, on the start one only when there is no middle one."""
     mid = cin * e  # every width here is a multiple of 8: timm's make_divisible is the identity
@@ -124,7 +125,7 @@ def blocks() -> list[Block]:
             stage = row_stage
             stride = s if j == 0 else 1  # timm: only a stage's first block strides
             p = f"blocks.{stage}.{j}"
-            out.append(Block(p, len(out), _uib(p, cin, c, e, a, kk, stride),
+            out.append(Block(p, len(out), _uib(p, cin, c, e=e, a=a, k=kk, s=stride),
                              stride == 1 and cin == c))
             cin = c
     p = f"blocks.{stage + 1}.0"
@@ -194,14 +195,14 @@ def forward(params: dict, buffers: dict, x, ctx: Ctx, *, drop_path=None, dropout
             site += 1
         y, t = _block_forward(params, buffers, b, y, ctx=ctx, stats=stats, mask=mask)
         tapes.append(t)
-    y, hw = pool.gap_forward(y)
+    y, gap = layers.gap_forward(y, ctx=ctx)
     # conv_head acts on the pooled [N, 1, 1, 960]: its BN sees one row per example.
     y, head = _layer_forward(params, buffers, HEAD, y[:, None, None, :], ctx=ctx, stats=stats)
     y, m = y[:, 0, 0, :], None
     if dropout is not None:
         y, m = elementwise.mask_forward(y, dropout)
     logits, fc = dense.dense_forward(y, params["classifier.weight"], params["classifier.bias"])
-    return logits, Tape(tuple(params), stem, tapes, hw, head, m, fc), stats
+    return logits, Tape(tuple(params), stem, tapes, gap, head, m, fc), stats
 
 
 def backward(tape: Tape, dlogits) -> dict:
@@ -209,11 +210,10 @@ def backward(tape: Tape, dlogits) -> dict:
     grads = {}
     dy, grads["classifier.weight"], grads["classifier.bias"] = dense.dense_vjp(tape.classifier,
                                                                                dlogits)
-    stored = tape.stem.conv.precision.stored  # what each op's cotangent is stored as
     if tape.dropout is not None:
         dy = elementwise.mask_vjp(tape.dropout, dy)
     dy = conv_bn_vjp(tape.head, dy[:, None, None, :], grads)[:, 0, 0, :]
-    dy = stored(pool.gap_vjp(tape.gap, dy))
+    dy = layers.gap_vjp(tape.gap, dy)
     for t in reversed(tape.blocks):
         dy = _block_vjp(t, dy, grads)
     conv_bn_vjp(tape.stem, dy, grads)  # the image's cotangent is not needed (XLA drops it)
@@ -230,22 +230,17 @@ def _block_forward(params, buffers, b: Block, x, *, ctx, stats, mask):
     for la in b.layers:
         y, t = _layer_forward(params, buffers, la, y, ctx=ctx, stats=stats)
         tapes.append(t)
-    m = None
+    skip = None
     if b.skip:
-        if mask is not None:
-            y, m = elementwise.mask_forward(y, mask)
-        y = ctx.precision.stored(elementwise.add_forward(y, x))
-    return y, (tapes, b.skip, m)
+        y, skip = layers.residual_forward(y, x, ctx=ctx, mask=mask)
+    return y, (tapes, skip)
 
 
 def _block_vjp(tape, dy, grads):
-    tapes, skip, m = tape
-    stored = tapes[0].conv.precision.stored
+    tapes, skip = tape
     d_shortcut = None
-    if skip:
-        dy, d_shortcut = elementwise.add_vjp(dy)
-        if m is not None:
-            dy = stored(elementwise.mask_vjp(m, dy))
+    if skip is not None:
+        dy, d_shortcut = layers.residual_vjp(skip, dy)
     for t in reversed(tapes):
         dy = conv_bn_vjp(t, dy, grads)
-    return dy if d_shortcut is None else stored(dy + d_shortcut)
+    return dy if skip is None else layers.fork_vjp(skip, dy, d_shortcut)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from twinstep.nets import layers
 from twinstep.nets.layers import ConvBN, Ctx, conv_bn_forward, conv_bn_vjp
-from twinstep.ops import activation, dense, elementwise, pool
+from twinstep.ops import dense
 
 NAME = "resnet50"
 TIMM_NAME = "resnet50"
@@ -119,26 +120,25 @@ def forward(params: dict, buffers: dict, x, ctx: Ctx, *, drop_path=None):
     x = x.astype(ctx.precision.dtype)
     y, stem = conv_bn_forward(params, buffers, ConvBN("conv1", "bn1"), x, stride=2, ctx=ctx,
                               stats=stats)
-    y, pool_res = pool.maxpool_forward(y)
+    y, pool_tape = layers.maxpool_forward(y, ctx=ctx)
     tapes = []
     for i, b in enumerate(blocks()):
         mask = None if drop_path is None else drop_path[i]
         y, t = _bottleneck_forward(params, buffers, b, y, ctx=ctx, stats=stats, mask=mask)
         tapes.append(t)
-    y, hw = pool.gap_forward(y)
+    y, gap = layers.gap_forward(y, ctx=ctx)
     logits, fc = dense.dense_forward(y, params["fc.weight"], params["fc.bias"])
-    return logits, Tape(tuple(params), stem, pool_res, tapes, hw, fc), stats
+    return logits, Tape(tuple(params), stem, pool_tape, tapes, gap, fc), stats
 
 
 def backward(tape: Tape, dlogits) -> dict:
     """The explicit chain from d logits [N, K] to all 161 parameter gradients (timm order)."""
     grads = {}
-    stored = tape.stem.conv.precision.stored  # what each op's cotangent is stored as
     dy, grads["fc.weight"], grads["fc.bias"] = dense.dense_vjp(tape.fc, dlogits)
-    dy = stored(pool.gap_vjp(tape.gap, dy))
+    dy = layers.gap_vjp(tape.gap, dy)
     for t in reversed(tape.blocks):
         dy = _bottleneck_vjp(t, dy, grads)
-    dy = stored(pool.maxpool_vjp(tape.pool, dy))
+    dy = layers.maxpool_vjp(tape.pool, dy)
     conv_bn_vjp(tape.stem, dy, grads)  # the image's cotangent is not needed (XLA drops it)
     return {k: grads[k] for k in tape.names}
 
@@ -151,23 +151,18 @@ def _bottleneck_forward(params, buffers, b: Block, x, *, ctx, stats, mask):
                             stride=b.stride, ctx=ctx, stats=stats)
     y, t3 = conv_bn_forward(params, buffers, ConvBN(f"{p}.conv3", f"{p}.bn3"), y, stride=1,
                             ctx=ctx, relu=False, stats=stats)
-    m = None
-    if mask is not None:
-        y, m = elementwise.mask_forward(y, mask)
     shortcut, td = x, None
     if b.projects:
         shortcut, td = conv_bn_forward(params, buffers,
                                        ConvBN(f"{p}.downsample.0", f"{p}.downsample.1"), x,
                                        stride=b.stride, ctx=ctx, relu=False, stats=stats)
-    y, relu_mask = activation.relu_forward(elementwise.add_forward(y, shortcut), ctx.relu_mask)
-    return ctx.precision.stored(y), (t1, t2, t3, m, td, relu_mask)
+    y, tr = layers.residual_forward(y, shortcut, ctx=ctx, mask=mask, relu=True)
+    return y, (t1, t2, t3, td, tr)
 
 
 def _bottleneck_vjp(tape, dy, grads):
-    t1, t2, t3, m, td, relu_mask = tape
-    stored = t1.conv.precision.stored
-    d_branch, d_shortcut = elementwise.add_vjp(activation.relu_vjp(relu_mask, dy))
-    if m is not None:
-        d_branch = stored(elementwise.mask_vjp(m, d_branch))
+    t1, t2, t3, td, tr = tape
+    d_branch, d_shortcut = layers.residual_vjp(tr, dy)
     dx = conv_bn_vjp(t1, conv_bn_vjp(t2, conv_bn_vjp(t3, d_branch, grads), grads), grads)
-    return stored(dx + (conv_bn_vjp(td, d_shortcut, grads) if td is not None else d_shortcut))
+    return layers.fork_vjp(tr, dx, conv_bn_vjp(td, d_shortcut, grads) if td is not None
+                           else d_shortcut)

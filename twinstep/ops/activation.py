@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MASKS = ("bool", "bits")  # how `relu_forward` keeps its mask: `Setup.relu_mask`
+MASKS = ("bool", "bits")  # how `relu_forward` keeps its mask: `Levers.relu_mask`
 # bit b of a byte holds channel 8 c + b; numpy, as importing must not start JAX's backend
 _BIT = np.arange(8, dtype=np.uint8)
 
 
-def relu_forward(x, mask: str = "bool"):
+def relu_forward(x, mask: str):
     """x [..., C] -> (max(x, 0), kept): kept = x > 0, bool [..., C]; ``mask`` "bits" (`MASKS`)
     and C a multiple of 8: uint8 [..., C / 8] instead, channel 8 c + b in bit b of byte c."""
     positive = x > 0

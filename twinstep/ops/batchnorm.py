@@ -76,7 +76,7 @@ def _shard_moments(x, moments: str = "two-pass"):
     return mu, jnp.mean(jnp.square(x - mu), axis=_ROWS)
 
 
-def bn_forward_site(x, replicas: Replicas = SINGLE, moments: str = "two-pass") -> BNStats:
+def bn_forward_site(x, replicas: Replicas = SINGLE, *, moments: str) -> BNStats:
     """Global statistics of x [N, H, W, C] over all replicas' rows (one gather collective);
     ``moments``: how each shard's are computed (`_shard_moments`)."""
     mu, var = _shard_moments(x, moments)
@@ -88,9 +88,10 @@ def bn_forward_site(x, replicas: Replicas = SINGLE, moments: str = "two-pass") -
     return BNStats(mu, var, rows * (replicas.count if replicas.bn_synced else 1))
 
 
-def bn_train_forward(x, gamma, beta, replicas: Replicas = SINGLE, moments: str = "two-pass"):
-    """y = xhat * gamma + beta with global batch statistics. Returns (y, BNRes, BNStats)."""
-    stats = bn_forward_site(x, replicas, moments)
+def bn_train_forward(x, gamma, beta, replicas: Replicas = SINGLE, *, moments: str):
+    """y = xhat * gamma + beta with global batch statistics. Returns (y, BNRes, BNStats).
+    ``moments``: `MOMENTS` (`bn_forward_site`)."""
+    stats = bn_forward_site(x, replicas, moments=moments)
     res = BNRes(x, stats.mean, lax.rsqrt(stats.var + EPS), gamma, replicas)
     return res.xhat * gamma + beta, res, stats
 

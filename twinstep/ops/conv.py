@@ -11,8 +11,9 @@ output, bitwise, on XLA, and the only form IREE's llvm-cpu backend compiles
 sides instead, the form cuDNN takes as it is: a GPU's default, where the crop cost XLA:GPU a
 padded copy (docs/precision.md#gpu-levers).
 
-Each kind has two paths, equal up to summation order, and a platform default (bench/probes/
-measures both): on XLA:CPU the form that runs fast there, elsewhere one XLA convolution.
+Each kind has two paths, equal up to summation order; which one a program takes is a lever
+(`twinstep.ops.levers.Levers`: on XLA:CPU the form that runs fast there, elsewhere one XLA
+convolution; bench/probes/ measures both), passed to every forward as ``path``.
 - dense: ``conv`` (one XLA convolution per forward / input-VJP / weight-VJP) and ``matmul`` (the
   k^2 strided windows of the padded input interleaved, [rows, Ci k k], times the kernel as the
   [Co, Ci k k] matrix its OIHW layout already is; the input VJP scatters the windows' cotangents
@@ -42,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from twinstep.ops.precision import F32, Precision, round_to
+from twinstep.ops.precision import Precision, round_to
 from twinstep.ops.windows import (
     interleave_phases,
     pad_hw,
@@ -99,23 +100,12 @@ DENSE_PATHS = ("conv", "matmul")
 DEPTHWISE_PATHS = ("shift", "grouped", "phased", "shift-one-pass")
 
 
-def _on_cpu(platform: str | None) -> bool:
-    return (platform or jax.default_backend()) == "cpu"
-
-
-def default_dense_path(platform: str | None = None) -> str:
-    """``matmul`` on XLA:CPU, else ``conv``; ``platform``: the backend the program is for
-    (default: this process's)."""
-    return "matmul" if _on_cpu(platform) else "conv"
-
-
-def conv2d_forward(x, w, stride: int = 1, precision: Precision = F32, path: str | None = None,
-                   *, crop_unread: bool = True):
+def conv2d_forward(x, w, stride: int, precision: Precision, *, path: str, crop_unread: bool):
     """y [N, Ho, Wo, Co] = conv(x [N, H, W, Ci], w [Co, Ci, k, k]); returns (y, ConvRes).
-    ``crop_unread``: the ``conv`` path's padding (module docstring)."""
-    path = path or default_dense_path()
+    ``path``: `DENSE_PATHS`; ``crop_unread``: the ``conv`` path's padding (module docstring)."""
     if path == "conv":
-        return _grouped_forward(x, w, stride, precision, groups=1, crop_unread=crop_unread)
+        return _grouped_forward(x, w, stride=stride, precision=precision, groups=1,
+                                crop_unread=crop_unread)
     if path != "matmul":
         raise ValueError(f"unknown dense conv path {path!r}; choose 'conv' or 'matmul'")
     xc, wc = round_to(x, precision.conv_dtype), round_to(w, precision.conv_dtype)
@@ -152,7 +142,7 @@ def _windows(x, k: int, stride: int):
     weight, on every replica, each step: bench/history/2026-12-03.md)."""
     xp = pad_hw(x, conv_padding(k))
     ho, wo = conv_out_size(x.shape[1], k, stride), conv_out_size(x.shape[2], k, stride)
-    taps = [window(xp, a, b, ho, wo, stride) for a in range(k) for b in range(k)]
+    taps = [window(xp, a, b, ho, wo, s=stride) for a in range(k) for b in range(k)]
     return taps[0] if k == 1 else jnp.stack(taps, axis=-1).reshape(*taps[0].shape[:3], -1)
 
 
@@ -178,7 +168,8 @@ def _dot(lhs, rhs, contract, precision: Precision):
 CANONICAL = ("NHWC", "HWIO", "NHWC")
 
 
-def _grouped_forward(x, w, stride, precision, groups, crop_unread=True):
+def _grouped_forward(x, w, *, stride: int, precision: Precision, groups: int,
+                     crop_unread: bool):
     p = conv_padding(w.shape[2])
     cd = precision.conv_dtype
     xc, wc = round_to(x, cd), round_to(w, cd)
@@ -232,18 +223,12 @@ def _grouped_weight_vjp(res: ConvRes, dy, groups):
 # ------------------------------------------------------------------------------ depthwise conv
 
 
-def default_depthwise_path(platform: str | None = None) -> str:
-    """``shift`` on XLA:CPU, else ``grouped``; ``platform`` as in `default_dense_path`."""
-    return "shift" if _on_cpu(platform) else "grouped"
-
-
-def depthwise_forward(x, w, stride: int = 1, precision: Precision = F32, path: str | None = None,
-                      *, crop_unread: bool = True):
+def depthwise_forward(x, w, stride: int, precision: Precision, *, path: str, crop_unread: bool):
     """y [N, Ho, Wo, C] = depthwise conv(x [N, H, W, C], w [C, 1, k, k]); returns (y, ConvRes).
-    ``crop_unread``: the ``grouped`` path's padding (module docstring)."""
-    path = path or default_depthwise_path()
+    ``path``: `DEPTHWISE_PATHS`; ``crop_unread``: the ``grouped`` path's padding (module
+    docstring)."""
     if path in ("grouped", "phased"):
-        y, res = _grouped_forward(x, w, stride, precision, groups=x.shape[-1],
+        y, res = _grouped_forward(x, w, stride=stride, precision=precision, groups=x.shape[-1],
                                   crop_unread=crop_unread)
         return y, dataclasses.replace(res, path=path)
     if path not in ("shift", "shift-one-pass"):
@@ -255,7 +240,7 @@ def depthwise_forward(x, w, stride: int = 1, precision: Precision = F32, path: s
     xp = pad_hw(xc, conv_padding(k))
     ho, wo = conv_out_size(x.shape[1], k, stride), conv_out_size(x.shape[2], k, stride)
     acc = precision.dtype  # bf16 operands multiply-add in the base dtype, as a conv does
-    y = sum(window(xp, a, b, ho, wo, stride).astype(acc) * wc[:, 0, a, b].astype(acc)
+    y = sum(window(xp, a, b, ho, wo, s=stride).astype(acc) * wc[:, 0, a, b].astype(acc)
             for a in range(k) for b in range(k))
     return _round(y, precision), ConvRes(xc, wc, stride, precision, path)
 
@@ -280,10 +265,10 @@ def depthwise_vjp(res: ConvRes, dy):
     if res.path == "shift-one-pass":  # dw: all k^2 taps' products in one reduction
         xp = pad_hw(xa, p)
         ho, wo = dy.shape[1:3]
-        cols = jnp.stack([window(xp, a, b, ho, wo, s) for a in range(k) for b in range(k)], -1)
+        cols = jnp.stack([window(xp, a, b, ho, wo, s=s) for a in range(k) for b in range(k)], -1)
         dw = jnp.sum(cols * dyc[..., None], axis=(0, 1, 2)).reshape(c, 1, k, k)
     else:  # dw: each tap's products over the outputs that read x itself (padding adds zeros)
-        taps = [unpadded_tap(xa, dyc, a, b, p, s) for a in range(k) for b in range(k)]
+        taps = [unpadded_tap(xa, dyc, a, b, p=p, s=s) for a in range(k) for b in range(k)]
         dw = jnp.stack([jnp.zeros((c,), acc) if t is None else
                         jnp.sum(t[0] * t[1], axis=(0, 1, 2)) for t in taps],
                        axis=-1).reshape(c, 1, k, k)

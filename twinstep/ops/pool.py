@@ -45,7 +45,7 @@ def maxpool_vjp(res: MaxPoolRes, dy):
     routed = {}  # tap -> the cotangent of the windows whose first maximum it is
     for a in range(POOL_K):
         for b in range(POOL_K):
-            hit = (window(xp, a, b, ho, wo, POOL_S) == y) & ~taken
+            hit = (window(xp, a, b, ho, wo, s=POOL_S) == y) & ~taken
             taken = taken | hit
             routed[a, b] = jnp.where(hit, dy, 0)
     dxp = scatter_windows(lambda a, b: routed[a, b], POOL_K, hp, wp, POOL_S)

@@ -7,8 +7,8 @@
   f32-typed result would let XLA silently run the convolution in f32. BN, adds, ReLU, pooling,
   the head, the loss, the optimizer, master weights and all collectives stay float32.
 
-``Precision("bf16", store="bf16")`` also rounds every activation and cotangent to bf16 between
-ops (docs/precision.md#bf16-storage).
+`stored` rounds an activation or cotangent to bf16 between ops where the levers ask for it
+(`twinstep.ops.levers.Levers.store`, docs/precision.md#bf16-storage).
 
 ``Precision("bf16", base="f64")`` keeps the bf16 policy's rounding points (every conv operand and
 result) and runs everything else in float64: the bf16 tie's policy (why: docs/tie.md#bf16).
@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 
 NAMES = ("f64", "f32", "bf16")
+# How activations and cotangents are stored between ops (`stored`): in the precision's dtype,
+# or rounded to bfloat16 (under the bf16 policy only: `twinstep.ops.levers.Levers.check`)
+STORES = ("dtype", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,17 +36,10 @@ class Precision:
     # The dtype of everything that is not a convolution: None = the policy's own (f64 for f64,
     # else f32); "f64" under bf16 for the tie (docs/tie.md#bf16).
     base: str | None = None
-    # How activations and cotangents are stored between ops: None, in `dtype`; "bf16" (under the
-    # bf16 policy only), rounded to bfloat16 at every op's output and computed on in `dtype`,
-    # as timm's AMP stores them: a GPU lever under evaluation (docs/precision.md#bf16-storage).
-    store: str | None = None
 
     def __post_init__(self):
         if self.name not in NAMES:
             raise ValueError(f"unknown precision {self.name!r}; choose f64, f32 or bf16")
-        if self.store not in (None, "bf16") or (self.store and self.name != "bf16"):
-            raise ValueError(f"precision {self.name!r} cannot store in {self.store!r}; "
-                             f"only bf16 stores in bf16")
         if self.base not in (None, "f32", "f64") or (self.name != "bf16"
                                                      and self.base not in (None, self.name)):
             raise ValueError(f"precision {self.name!r} cannot have base {self.base!r}")
@@ -67,17 +63,6 @@ class Precision:
         """Operands and result type of every convolution."""
         return jnp.bfloat16 if self.name == "bf16" else self.dtype
 
-    def stored(self, x):
-        """x [any] as the policy stores it between ops: under ``store="bf16"`` rounded to bf16,
-        held as a bf16 array and widened back to x's dtype where it is read; else x itself.
-
-        The optimization barrier is what makes the store: without it XLA:GPU fuses the rounding
-        and the widening into the op that makes x and writes x in its own dtype, the same bytes
-        as no store at all (docs/precision.md#bf16-storage)."""
-        if self.store != "bf16":
-            return x
-        return jax.lax.optimization_barrier(round_to(x, jnp.bfloat16)).astype(x.dtype)
-
     @property
     def weight_grad_dtype(self):
         """Result type of the weight-gradient convolutions."""
@@ -94,6 +79,19 @@ def round_to(x, dtype):
     if x.dtype == jnp.float64 and dtype == jnp.bfloat16:
         x = x.astype(jnp.float32)
     return x.astype(dtype)
+
+
+def stored(x, store: str):
+    """x [any] as ``store`` (`STORES`) keeps it between ops: "bf16" rounds it to bf16, held as
+    a bf16 array and widened back to x's dtype where it is read, as timm's AMP stores it;
+    "dtype" is x itself.
+
+    The optimization barrier is what makes the store: without it XLA:GPU fuses the rounding
+    and the widening into the op that makes x and writes x in its own dtype, the same bytes
+    as no store at all (docs/precision.md#bf16-storage)."""
+    if store != "bf16":
+        return x
+    return jax.lax.optimization_barrier(round_to(x, jnp.bfloat16)).astype(x.dtype)
 
 
 F64, F32, BF16 = Precision("f64"), Precision("f32"), Precision("bf16")

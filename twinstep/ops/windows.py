@@ -15,7 +15,7 @@ def pad_hw(x, p: int, value=0.0):
     return jnp.pad(x, ((0, 0), (p, p), (p, p), (0, 0)), constant_values=value) if p else x
 
 
-def window(xp, a: int, b: int, ho: int, wo: int, s: int):
+def window(xp, a: int, b: int, ho: int, wo: int, *, s: int):
     """xp[:, a + s*i, b + s*j, :] for i < ho, j < wo: one tap of a k x k window, stride s."""
     n, _, _, c = xp.shape
     return lax.slice(xp, (0, a, b, 0), (n, a + (ho - 1) * s + 1, b + (wo - 1) * s + 1, c),
@@ -29,7 +29,7 @@ def _unpadded_outputs(h: int, ho: int, a: int, p: int, s: int) -> tuple[int, int
     return max(0, -(-(p - a) // s)), min(ho, (h - 1 + p - a) // s + 1)
 
 
-def unpadded_tap(x, dy, a: int, b: int, p: int, s: int):
+def unpadded_tap(x, dy, a: int, b: int, *, p: int, s: int):
     """(dy [N, i1-i0, j1-j0, C], x's values that tap (a, b) multiplies them with, same shape),
     or None when the tap reads only padding: `window` of the p-padded x [N, H, W, C] for the
     outputs dy [N, Ho, Wo, C] with the padding's zero products left out. Two plain slices, where
@@ -46,7 +46,7 @@ def unpadded_tap(x, dy, a: int, b: int, p: int, s: int):
     return dy[:, i0:i1, j0:j1, :], xs
 
 
-def scatter_window(v, a: int, b: int, hp: int, wp: int, s: int):
+def scatter_window(v, a: int, b: int, hp: int, wp: int, *, s: int):
     """The transpose of `window`: v [N, ho, wo, C] placed at rows a + s*i, cols b + s*j of an
     hp x wp grid, zeros elsewhere."""
     ho, wo = v.shape[1:3]
@@ -56,7 +56,7 @@ def scatter_window(v, a: int, b: int, hp: int, wp: int, s: int):
 
 
 def scatter_windows(tap, k: int, hp: int, wp: int, s: int):
-    """The sum over the k x k taps (a, b) of ``scatter_window(tap(a, b), a, b, hp, wp, s)``:
+    """The sum over the k x k taps (a, b) of ``scatter_window(tap(a, b), a, b, hp, wp, s=s)``:
     [N, hp, wp, C] from the callable tap(a, b) -> [N, ho, wo, C], one stride phase at a time.
 
     Padded row y = py + s i is read only by the taps a = py + s u (u = 0, 1, ...), as their row

@@ -28,6 +28,7 @@ from twinstep import dp, presets, program, recipes, step
 from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS
 from twinstep.errors import RenderError
 from twinstep.nets import get_net
+from twinstep.ops.levers import Levers
 from twinstep.ops.precision import NAMES as PRECISIONS
 from twinstep.ops.precision import get_precision
 from twinstep.processes import disk, settings
@@ -53,6 +54,7 @@ class RenderConfig:
 
     name: str  # a recipe name or preset (twinstep.recipes)
     replicas: int = 1
+    _: dataclasses.KW_ONLY  # the rest by name
     res: int | None = None  # None: the recipe's train resolution
     classes: int = DEFAULT_CLASSES
     precision: str | None = None  # None: the recipe's (bf16 with the bf16 token, else f32)
@@ -169,10 +171,11 @@ def export_step(cfg: RenderConfig, single: bool = False) -> Export:
     mesh = dp.abstract_mesh(replicas) if replicas > 1 else None
     with settings.jax_settings(jax_enable_x64=prec.name == "f64",
                               jax_traceback_in_locations_limit=0):
-        levers = {**program.platform_levers(platform), "dense_path": "conv"}
+        levers = dataclasses.replace(Levers.of(platform), dense_path="conv")
         if cfg.target == "iree":  # IREE compiles grouped depthwise and only the cropped padding
-            levers.update(depthwise_path="grouped", crop_unread=True)
-        setup = program.Setup(replicas, prec, "none" if single else cfg.control, **levers)
+            levers = dataclasses.replace(levers, depthwise_path="grouped", crop_unread=True)
+        setup = program.Setup(replicas=replicas, precision=prec,
+                              control="none" if single else cfg.control, levers=levers)
         made = program.train_program(net, recipe, setup, classes=cfg.classes, mesh=mesh,
                                      flat=True)
         leaves = jax.tree.leaves(made.state)
@@ -190,7 +193,7 @@ def export_step(cfg: RenderConfig, single: bool = False) -> Export:
         if (a.shape, a.dtype) != (b.shape, b.dtype):  # the step must map a state onto its own type
             raise AssertionError(f"{n}: the step takes {a.dtype}{list(a.shape)} and returns "
                                  f"{b.dtype}{list(b.shape)}")
-    return Export(exported, recipe, cfg.res, prec.name, levers["depthwise_path"], names,
+    return Export(exported, recipe, cfg.res, prec.name, levers.depthwise_path, names,
                   [list(sp) for sp in made.in_specs])
 
 

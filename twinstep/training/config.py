@@ -6,15 +6,18 @@ continue (docs/training.md#resuming).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
-from twinstep import recipes
+from twinstep import program, recipes
+from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS
 from twinstep.data import sources
 from twinstep.defaults import WARMUP_LR
 from twinstep.errors import UsageError
 from twinstep.nets import get_net
 from twinstep.ops.precision import NAMES as PRECISIONS
+from twinstep.rendering import reader
 
 # what must match for a RUN_DIR to be continued: anything else changes the trajectory (the
 # number of loader workers does not, nor the topology: R and N may change at the same R N, and
@@ -40,6 +43,7 @@ class TrainConfig:
 
     recipe: str
     out: str
+    _: dataclasses.KW_ONLY  # the rest by name
     data: str = "digits"  # or an image folder: DIR/train/<class>/..., DIR/val/<class>/...
     replicas: int = 1
     batch: int | None = None  # per replica; None: the recipe's
@@ -111,8 +115,6 @@ class TrainConfig:
 
     def _check_control(self) -> None:
         """--control: a whole step's negative control, on the Python step of R > 1 replicas."""
-        from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS
-
         if self.control not in CONTROLS:
             raise UsageError(f"unknown --control {self.control!r}; choose from "
                              f"{', '.join(CONTROLS)}")
@@ -177,8 +179,6 @@ class TrainConfig:
         if not self.render.endswith(".jaxexport") or not os.path.isfile(self.render):
             raise UsageError(f"--render {self.render}: a NAME.jaxexport file from "
                              f"'twinstep render'")
-        from twinstep.rendering import reader
-
         manifest = reader.read_manifest(self.render)  # its schema checked
         given = {"recipe": manifest["name"], "replicas": manifest["replicas"],
                  "batch": manifest["batch"], "res": manifest["res"],
@@ -213,13 +213,12 @@ class TrainConfig:
                                    warmup_steps=self.steps * r.warmup_steps // r.total_steps,
                                    warmup_lr=min(WARMUP_LR, r.lr), **given)
 
-    @property
+    @functools.cached_property
     def setup(self):
-        """The step's `twinstep.program.Setup`: R, precision, control; the platform's conv
-        paths."""
-        from twinstep import program
-
-        return program.Setup(self.replicas, self.precision, self.control)
+        """The step's `twinstep.program.Setup`, made once: R, precision, control; the
+        platform's levers."""
+        return program.Setup(replicas=self.replicas, precision=self.precision,
+                             control=self.control)
 
     @property
     def rows(self) -> int:

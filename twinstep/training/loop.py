@@ -23,6 +23,7 @@ from twinstep.data.mix import MixParams
 from twinstep.errors import UsageError
 from twinstep.nets import get_net
 from twinstep.processes import cluster, disk, settings
+from twinstep.rendering import reader
 from twinstep.training import evaluation, state_dict
 from twinstep.training.checkpoint import Checkpoints
 from twinstep.training.config import TrainConfig, check_run_dir
@@ -211,16 +212,19 @@ def _programs(cfg: TrainConfig, net, recipe, src, augment) -> tuple:
     eval_fn = program.eval_program(net, setup, fast_compile=fast)
     prepare = program.prepare_program(src.classes, setup, fast_compile=fast,
                                       layout=src.layout(augment))
-    prog = (_render_program if cfg.render else _compiled_step)(cfg, prog, src.classes)
+    if cfg.render:
+        prog = _render_program(cfg, prog, src.classes)
+    else:
+        prog = _compiled_step(prog, setup, micro=(recipe.accum, cfg.rows), res=cfg.res,
+                              classes=src.classes)
     return prog, eval_fn, prepare
 
 
-def _compiled_step(cfg: TrainConfig, prog, classes: int):
+def _compiled_step(prog, setup, *, micro: tuple[int, int], res: int, classes: int):
     """``prog`` with its step compiled ahead of time (`program.compile_step`), then the freed
     compile memory handed back: the compile peaks on its own, not on top of a run under way
     (docs/speed.md#memory)."""
-    compiled = program.compile_step(prog, cfg.setup, micro=(cfg.parsed_recipe().accum, cfg.rows),
-                                    res=cfg.res, classes=classes)
+    compiled = program.compile_step(prog, setup, micro=micro, res=res, classes=classes)
     settings.release_freed_memory()
     return prog._replace(step=compiled)
 
@@ -228,8 +232,6 @@ def _compiled_step(cfg: TrainConfig, prog, classes: int):
 def _render_program(cfg: TrainConfig, prog, classes: int):
     """``prog`` with its step replaced by the render's (--render; its hashes and signature
     checked by `twinstep.rendering.reader.load`)."""
-    from twinstep.rendering import reader
-
     exported, manifest = reader.load(cfg.render)  # RenderError: a UsageError
     if manifest["classes"] != classes:
         raise UsageError(f"--render {cfg.render} was rendered for {manifest['classes']} "
