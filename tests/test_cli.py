@@ -1,16 +1,15 @@
 """The command line: help, version, usage errors, and the certification end to end."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from twinstep import __version__
-from twinstep.cli import main
+from twinstep.cli import main, options
 from twinstep.cli.main import COMMANDS
-from twinstep.errors import EXIT_STATUSES
+from twinstep.errors import ExitStatus
 
 
 def run(*args):
@@ -49,17 +48,27 @@ def test_certify_end_to_end(tmp_path):
 
 
 def test_every_commands_help_gives_the_exit_statuses_of_the_one_table(capsys):
-    """`twinstep.errors.EXIT_STATUSES` is the exit contract: every command's --help states what
-    0 means for it and 2, 3, 130 in that table's words, or its own (`twinstep.cli.options
-    .exits`), and the README's table gives each status with its meaning first."""
+    """`twinstep.errors.ExitStatus` is the exit contract: every command's --help states what
+    success means for it and bad usage, an internal error and an interrupt in that table's words,
+    or its own (`twinstep.cli.options.exits`); tie's gives each verdict its status
+    (`twinstep.checking.bounds.EXIT_CODES`). The docs' table is held to it in test_docs.py."""
+    from twinstep.checking.bounds import EXIT_CODES
+
     for name in COMMANDS:
         with pytest.raises(SystemExit):
             main([name, "--help"])
         text = " ".join(capsys.readouterr().out.split())
-        assert "Exit 0 " in text and f"130 {EXIT_STATUSES[130]}" in text, name
-        assert all(f", {s} " in text for s in (2, 3)), name
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    rows = {int(line.split("|")[1]): line.split("|")[2].strip() for line in readme.splitlines()
-            if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
-    assert set(rows) == set(EXIT_STATUSES)
-    assert all(rows[s].startswith(meaning) for s, meaning in EXIT_STATUSES.items()), rows
+        interrupted = ExitStatus.INTERRUPTED
+        assert f"Exit {ExitStatus.SUCCESS:d} " in text, name
+        assert f"{interrupted:d} {interrupted.meaning}" in text, name
+        assert all(f", {s:d} " in text for s in (ExitStatus.USAGE, ExitStatus.INTERNAL)), name
+        if name == "tie":
+            assert all(f"{status} {verdict.lower()}" in text
+                       for verdict, status in EXIT_CODES.items()), text
+
+
+def test_a_status_outside_the_one_table_is_refused():
+    """The control: a command's --help cannot give a status the table lacks."""
+    assert options.exits({0: "done"}).startswith("Exit 0 done, 2 bad usage or input")
+    with pytest.raises(ValueError):
+        options.exits({0: "done", 5: "something else"})

@@ -1,4 +1,5 @@
-"""The docs held to the code: command lines parse, cited measurements are where they point."""
+"""The docs held to the code: command lines parse, cited measurements are where they point, the
+exit statuses are the code's."""
 
 import contextlib
 import glob
@@ -8,6 +9,7 @@ import re
 import shlex
 
 from twinstep.cli.main import COMMANDS, build_parser
+from twinstep.errors import EXIT_STATUSES, ExitStatus
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT)
@@ -154,3 +156,59 @@ def test_a_number_not_in_its_section_fails_here():
     assert not found_in("6,111", "img/s", section) and not found_in("4.1", "×", section)
     para = "On a GPU, 7,950 img/s ([x](bench/RESULTS.md#gpu))."
     assert list(citations(para)) == [("bench/RESULTS.md", "gpu", "7,950", "img/s")]
+
+
+def table_rows(section: str) -> list[list[str]]:
+    """The cells of a Markdown section's table rows, its header and rule left out."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("|")]
+    return rows[2:]
+
+
+def exit_table_wrong(text: str) -> list[str]:
+    """How docs/cli.md's table of exit statuses (``text``, the page) differs from
+    `twinstep.errors.ExitStatus`: each status, its name and its meaning in the code's order; the
+    last column is the docs' own."""
+    section = sections(text).get("exit-status", "")
+    said = [tuple(r[:3]) for r in table_rows(section)]
+    code = [(str(int(s)), f"`{s.name}`", s.meaning) for s in ExitStatus]
+    wrong = [f"docs/cli.md: row {r} is not the code's" for r in said if r not in code]
+    wrong += [f"docs/cli.md: no row {c}" for c in code if c not in said]
+    if not wrong and said != code:
+        wrong.append("docs/cli.md: the rows are not the code's, one each in its order")
+    return wrong
+
+
+def test_the_docs_table_of_exit_statuses_is_the_codes():
+    """docs/cli.md#exit-status is the one table of exit statuses in prose, and it says what
+    `twinstep.errors.ExitStatus` says (status, name, meaning, in order); the README and
+    docs/tie.md point to it instead of restating it: no other page has a table of statuses,
+    and the README links it."""
+    wrong = exit_table_wrong(_read("docs/cli.md"))
+    assert not wrong, "\n".join(wrong)
+    tables = [path for path in DOCS if re.search(r"^\| status \|", _read(path), re.M)]
+    assert tables == [os.path.join("docs", "cli.md")], tables
+    assert "(docs/cli.md#exit-status)" in _read("README.md")
+    assert "(cli.md#exit-status)" in sections(_read("docs/tie.md"))["exit-status"]
+
+
+def test_the_ties_statuses_in_the_docs_are_its_verdicts():
+    """docs/tie.md#exit-status gives each verdict the status `twinstep tie` exits with
+    (`twinstep.checking.bounds.EXIT_CODES`), and each is in the one table."""
+    from twinstep.checking.bounds import EXIT_CODES
+
+    rows = table_rows(sections(_read("docs/tie.md"))["exit-status"])
+    said = {re.sub(r"\[(.*?)\]\(.*?\)", r"\1", verdict): int(status) for verdict, status in rows}
+    assert said == EXIT_CODES and set(said.values()) <= set(EXIT_STATUSES), said
+
+
+def test_an_exit_table_that_is_not_the_codes_fails_here():
+    """The control: a row with another meaning, a status missing, a status renamed and two rows
+    swapped are each caught; the table as the code has it is not."""
+    rows = [f"| {s:d} | `{s.name}` | {s.meaning} | more |" for s in ExitStatus]
+    page = "## Exit status\n\n| status | `ExitStatus` | meaning | more |\n|---|---|---|---|\n"
+    assert not exit_table_wrong(page + "\n".join(rows))
+    for wrong in (rows[:1] + ["| 1 | `FAILED` | a test failed | more |"] + rows[2:], rows[:-1],
+                  [r.replace("`USAGE`", "`BAD_USAGE`") for r in rows],
+                  [rows[1], rows[0], *rows[2:]]):
+        assert exit_table_wrong(page + "\n".join(wrong)), wrong

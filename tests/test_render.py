@@ -3,7 +3,7 @@
 The StableHLO checks read the text the render was serialized from. On this CPU-only machine
 bf16 is checked in the StableHLO, where the policy is visible: XLA:CPU upcasts bf16
 convolutions to f32 when it compiles (docs/platform.md), so only a GPU's optimized HLO can show the
-compiled convolutions stay bf16 — bench/gpu_bf16_hlo.py checks that on a GPU machine.
+compiled convolutions stay bf16 — bench/gpu/bf16_hlo.py checks that on a GPU machine.
 """
 
 import hashlib
@@ -21,7 +21,7 @@ import pytest
 from twinstep import cli, dp, optim, step
 from twinstep.checking import bounds, inputs, tie, trajectory
 from twinstep.collectives import GRAD_BUCKET_BYTES, MICRO_STEP_SITES, SITES, grad_buckets
-from twinstep.errors import RenderError
+from twinstep.errors import ExitStatus, RenderError
 from twinstep.nets import get_net
 from twinstep.recipes import parse
 from twinstep.rendering import manifest, reader, render, stablehlo
@@ -212,23 +212,19 @@ GPU_HLO = """\
 
 
 def test_the_gpu_hlo_reader_reads_operands_by_name():
-    """bench/gpu_bf16_hlo.py on a GPU's optimized HLO: operand dtypes come from the
+    """bench/gpu/bf16_hlo.py on a GPU's optimized HLO: operand dtypes come from the
     instructions that define them. Controls: one operand defined as f32, or a convolution
     fewer than the StableHLO has, fails the check."""
-    import importlib.util
+    from bench.gpu import bf16_hlo
 
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_bf16_hlo.py")
-    spec = importlib.util.spec_from_file_location("gpu_bf16_hlo", path)
-    gpu_hlo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_hlo)
-    ok, counts, accounted = gpu_hlo.check(GPU_HLO, 2)
+    ok, counts, accounted = bf16_hlo.check(GPU_HLO, 2)
     assert ok and accounted == 2
     assert counts == {("__cudnn$convForward", "bf16/bf16", "bf16"): 2}
     upcast = GPU_HLO.replace("%bitcast.3819.0 = bf16[", "%bitcast.3819.0 = f32[")
-    assert gpu_hlo.check(upcast, 2)[:2] == (
+    assert bf16_hlo.check(upcast, 2)[:2] == (
         False, {("__cudnn$convForward", "bf16/bf16", "bf16"): 1,
                 ("__cudnn$convForward", "bf16/f32", "bf16"): 1})
-    assert not gpu_hlo.check(GPU_HLO, 3)[0]  # a convolution the reader did not find
+    assert not bf16_hlo.check(GPU_HLO, 3)[0]  # a convolution the reader did not find
 
 
 def test_useful_macs_leave_out_the_zeros_a_strided_input_gradient_dilates():
@@ -255,15 +251,11 @@ def test_useful_macs_leave_out_the_zeros_a_strided_input_gradient_dilates():
 
 
 def test_the_profile_sorts_gpu_kernels_by_what_they_compute():
-    """bench/gpu_profile.py's categories of XLA:GPU's op and cuDNN's kernel names, each
+    """bench/gpu/kernel_profile.py's categories of XLA:GPU's op and cuDNN's kernel names, each
     category reached; controls: a name of none is "other", a cuDNN kernel that XLA made a
     fusion is a convolution."""
-    import importlib.util
+    from bench.gpu import kernel_profile
 
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_profile.py")
-    spec = importlib.util.spec_from_file_location("gpu_profile", path)
-    gpu_profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_profile)
     named = {("cudnn-conv-bw-input.12", "sm90_xmma_dgrad_implicit_gemm"): "conv backward-input",
              ("cudnn-conv-bw-filter.3", "sm90_xmma_wgrad"): "conv backward-filter",
              ("cudnn-conv-bias-activation.2", "sm90_xmma_fprop"): "conv forward",
@@ -275,11 +267,11 @@ def test_the_profile_sorts_gpu_kernels_by_what_they_compute():
              ("input_reduce_fusion.1", "input_reduce_fusion_1"): "XLA fusions",
              ("rng-bit-generator.1", "rng"): "other",  # control: none of them
              ("fusion.2", "sm90_xmma_fprop"): "conv forward"}  # control: the kernel's name
-    assert {k: gpu_profile.category(*k) for k in named} == named
-    assert {c for c, _ in gpu_profile.CATEGORIES} <= set(named.values())
+    assert {k: kernel_profile.category(*k) for k in named} == named
+    assert {c for c, _ in kernel_profile.CATEGORIES} <= set(named.values())
     events = [("cudnn-conv.1", "fprop", 3e6), ("cudnn-conv.2", "fprop", 1e6),
               ("loop_fusion.1", "loop_fusion_1", 4e6)]
-    summary = gpu_profile.summarise(events, steps=2, top=1)
+    summary = kernel_profile.summarise(events, steps=2, top=1)
     assert summary["categories"]["conv forward"] == {"ms_per_step": 2.0, "share": 0.5}
     assert summary["top"] == [{"kernel": "fprop", "op": "cudnn-conv", "category": "conv forward",
                                "count_per_step": 1.0, "ms_per_step": 2.0}]
@@ -410,6 +402,65 @@ def test_the_runner_compiles_fast_as_twinstep_does():
     assert runner.FAST_COMPILE == dp.FAST_COMPILE
 
 
+def runner_statuses_wrong(source: str) -> list[str]:
+    """How twinstep/rendering/runner.py (``source``, its text) departs from
+    `twinstep.errors.ExitStatus`: it imports no twinstep, so it repeats the statuses it uses by
+    name, and each must be the member of that name; every ``return`` of a status and every exit
+    must give one of those names, never a bare number."""
+    import ast
+
+    tree = ast.parse(source)
+    named, wrong = {}, []
+    for node in tree.body:  # the module's SUCCESS, USAGE, ... = 0, 2, ...
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        target, value = node.targets[0], node.value
+        pairs = (zip(target.elts, value.elts, strict=False)
+                 if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple)
+                 else [(target, value)])
+        for t, v in pairs:
+            if isinstance(t, ast.Name) and t.id in ExitStatus.__members__:
+                named[t.id] = v.value if isinstance(v, ast.Constant) else None
+    for name, value in named.items():
+        if value != ExitStatus[name]:
+            wrong.append(f"{name} = {value!r}, ExitStatus.{name} is {ExitStatus[name]:d}")
+    for node in ast.walk(tree):
+        given = (node.value if isinstance(node, ast.Return) else
+                 node.args[0] if isinstance(node, ast.Call) and node.args
+                 and ast.unparse(node.func) in ("sys.exit", "os._exit", "exit") else None)
+        if isinstance(given, ast.Constant) and type(given.value) is int:  # not a bool
+            wrong.append(f"line {node.lineno}: status {given.value}, not a name")
+        elif isinstance(given, ast.Name) and given.id.isupper() and given.id not in named:
+            wrong.append(f"line {node.lineno}: {given.id}, not one of the statuses it names")
+    return wrong
+
+
+def test_the_runner_exits_with_twinsteps_statuses(capsys):
+    """runner.py's exit statuses are `ExitStatus`'s, by name and number; argparse's own errors
+    exit with its USAGE too."""
+    from twinstep.rendering import runner
+
+    assert not runner_statuses_wrong(open(runner.__file__).read())
+    assert {"SUCCESS", "USAGE", "INTERNAL", "INTERRUPTED"} <= set(vars(runner))
+    with pytest.raises(SystemExit) as e:
+        runner.main(["--no-such-flag"])
+    assert e.value.code == runner.USAGE == ExitStatus.USAGE
+
+
+def test_a_runner_status_other_than_twinsteps_fails_here():
+    """The control: a changed number, two swapped, and a bare number in a return are caught."""
+    from twinstep.rendering import runner
+
+    source = open(runner.__file__).read()
+    line = "SUCCESS, USAGE, INTERNAL, INTERRUPTED = 0, 2, 3, 130"
+    assert line in source and "return INTERNAL" in source
+    for old, new in ((line, line.replace("3, 130", "4, 130")),
+                     (line, line.replace("2, 3", "3, 2")),
+                     ("return INTERNAL", "return 3"),
+                     ("return USAGE", "return 2")):
+        assert runner_statuses_wrong(source.replace(old, new)), new
+
+
 @ON_EXAMPLE
 @pytest.mark.slow
 def test_tie_render_ties_the_render(example_f64, tmp_path):
@@ -481,8 +532,9 @@ def test_committed_manifests_are_current():
     manifests = committed_manifests()
     for name in ("resnet50in_momdp64", "mnv4in_adamdp64"):
         m = manifests[name]
-        fresh = render.make(render.RenderConfig(name, m["replicas"], m["res"], m["classes"],
-                                                  m["precision"], m["platform"])).manifest
+        fresh = render.make(render.RenderConfig(name, m["replicas"], res=m["res"],
+                                                  classes=m["classes"], precision=m["precision"],
+                                                  platform=m["platform"])).manifest
         for key in manifest.KEYS:
             if key not in ("versions", "files"):
                 assert json.loads(json.dumps(fresh[key])) == m[key], (name, key)

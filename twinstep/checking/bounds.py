@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from twinstep.errors import ExitStatus
+
 
 class Floors(NamedTuple):
     params: float  # parameter gradients and state tensors
@@ -31,7 +33,9 @@ PARAM_FLOOR = {"float64": FLOORS["f64"].params, "float32": FLOORS["f32"].params}
 SENSITIVITY_FACTOR = 10
 # A noise-floor bound above this makes a run inconclusive (docs/tie.md#inconclusive)
 INCONCLUSIVE_BOUND = 1e-3
-EXIT_CODES = {"tied": 0, "NOT tied": 1, "inconclusive": 4}  # the CLI's exit status per verdict
+# the CLI's exit status per verdict
+EXIT_CODES = {"tied": ExitStatus.SUCCESS, "NOT tied": ExitStatus.FAILED,
+              "inconclusive": ExitStatus.INCONCLUSIVE}
 PERTURBATION_F32 = 1e-6  # ~8 f32 ulps; other precisions perturb by the same number of ulps
 
 

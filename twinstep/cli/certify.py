@@ -9,8 +9,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from twinstep.checking import picture
 from twinstep.cli import options
 from twinstep.cli.console import mark, status
+from twinstep.errors import ExitStatus, UsageError
+from twinstep.processes import disk
 
 
 def add(p) -> None:
@@ -18,7 +21,8 @@ def add(p) -> None:
                      "differences, the four data-parallel facts under jax.shard_map on R virtual "
                      "devices, and that each negative control is caught "
                      "(docs/tie.md#certification). "
-                     + options.exits({0: "all hold", 1: "one does not"}))
+                     + options.exits({ExitStatus.SUCCESS: "all hold",
+                                      ExitStatus.FAILED: "one does not"}))
     options.replicas(p, [2, 4], "replica counts for the data-parallel facts "
                                            "(default: 2 4)", "R", nargs="+")
     options.seed(p)
@@ -28,10 +32,10 @@ def add(p) -> None:
 
 
 def run(args, parser) -> int:
+    # lazy, the CLI's reason: they import JAX, which 'twinstep certify --help' need not load
     from twinstep import api
-    from twinstep.checking import certification, picture
-    from twinstep.errors import UsageError
-    from twinstep.processes import disk, settings
+    from twinstep.checking import certification
+    from twinstep.processes import settings
 
     if args.plot is not None:
         if not args.plot.lower().endswith(".png"):
@@ -45,7 +49,7 @@ def run(args, parser) -> int:
     options.write_json(args.json, result.to_json())
     if args.plot is not None:
         print(f"picture: {picture.draw_certification(result.to_json(), args.plot)}")
-    return 0 if result.ok else 1
+    return ExitStatus.SUCCESS if result.ok else ExitStatus.FAILED
 
 
 def show(report, seconds: float, console: Console | None = None) -> None:

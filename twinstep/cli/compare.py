@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from twinstep.cli import options
+from twinstep.errors import ExitStatus
 
 
 def add(p) -> None:
@@ -14,8 +15,9 @@ def add(p) -> None:
         "images one got right and the other not). A difference of a point or two is often "
         "noise: the test says whether it is. Also overlays the runs' curves (train loss, val "
         "top-1 with its interval) in a PNG. "
-        + options.exits({0: "compared", 2: "bad usage or input (runs evaluated on different val "
-                                           "splits, no step in common)"}))
+        + options.exits({ExitStatus.SUCCESS: "compared",
+                         ExitStatus.USAGE: "bad usage or input (runs evaluated on different "
+                                           "val splits, no step in common)"}))
     p.add_argument("runs", metavar="RUN_DIR", nargs="+",
                    help="two or more runs' folders ('twinstep train --out'); the first is the "
                    "baseline")
@@ -28,10 +30,10 @@ def add(p) -> None:
 
 
 def run(args, parser) -> int:
-    from twinstep.training import compare
+    from twinstep.training import compare  # lazy, the CLI's reason: numpy, past --help's needs
 
     weights = "ema" if args.ema else "raw"
     found = compare.compare(args.runs, weights, args.step)
     print(compare.report(found))
     print(f"curves: {compare.overlay(args.runs, args.out, weights)}")
-    return 0
+    return ExitStatus.SUCCESS

@@ -6,21 +6,24 @@ from __future__ import annotations
 import argparse
 
 from twinstep.cli import options
+from twinstep.errors import ExitStatus
+from twinstep.processes import launcher
 
 
 def add(p) -> None:
-    from twinstep.processes.launcher import GRACE_S
-
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = (
         "Start P processes of a twinstep command on this host, joined into one JAX runtime: "
         "process i runs\nthe command with --coordinator localhost:PORT --num-processes P "
         "--process-id i, its output prefixed\n[i]. The first process to fail stops the others "
-        f"(SIGTERM, SIGKILL after {GRACE_S} s); with --max-restarts N\nall start again, up to "
+        f"(SIGTERM, SIGKILL after {launcher.GRACE_S} s); with --max-restarts N\nall start again, "
+        "up to "
         "N times, a train run from its latest checkpoint. On several hosts, run\nthe command "
         "on each with those flags, or under srun (docs/hosts.md).\n\n"
-        + options.exits({0: "when every process ends with 0, else the last failed process's "
-                            "status (3 for a signal or a status outside the contract)"})
+        + options.exits({ExitStatus.SUCCESS: f"when every process ends with "
+                                             f"{ExitStatus.SUCCESS:d}, else the last failed "
+                                             f"process's status ({ExitStatus.INTERNAL:d} for a "
+                                             f"signal or a status outside the contract)"})
         + "\n\n"
         "example: twinstep launch --local 2 -- train mnv4in_adamdp --data digits --replicas 4 "
         "--out run")
@@ -41,8 +44,6 @@ def add(p) -> None:
 
 
 def run(args, parser) -> int:
-    from twinstep.processes import launcher
-
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not 0 <= args.restart_delay <= 3600:  # also refuses nan
         parser.error(f"--restart-delay must be in [0, 3600] s, got {args.restart_delay}")

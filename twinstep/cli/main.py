@@ -5,8 +5,8 @@ which fills the command's parser, and ``run(args, parser) -> int``, which does t
 through the Python API (`twinstep.api`) and reports usage errors through its parser. Only the
 command asked for is imported, so that ``--help`` and ``--version`` answer at once.
 
-Exit status: 0 success, 1 a check failed, 2 bad usage or input, 3 an internal or environment
-error (one line; TWINSTEP_DEBUG=1 shows the traceback), 4 inconclusive, 130 interrupted.
+Exit status: `twinstep.errors.ExitStatus`, the one table (docs/cli.md#exit-status). An error is
+one line on stderr; TWINSTEP_DEBUG=1 shows an internal error's traceback.
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import textwrap
 
-from twinstep import __version__
+from twinstep.cli.console import ascii_fallback
 from twinstep.cli.options import Parser
-from twinstep.errors import EXIT_STATUSES, BackendError, ClusterError, UsageError
+from twinstep.errors import EXIT_STATUSES, BackendError, ClusterError, ExitStatus, UsageError
+from twinstep.processes import disk
+from twinstep.version import __version__
 
 COMMANDS = {  # each command's line in 'twinstep --help'; its module is twinstep.cli.<command>
     "certify": "certify the op library's hand-written VJPs (float64)",
@@ -83,24 +86,20 @@ def _module(name: str):
 
 
 def main(argv=None) -> int:
-    from twinstep.cli.console import ascii_fallback
-
     ascii_fallback()
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        return 2
+        return ExitStatus.USAGE
     name = args.command
     try:
         if isinstance(getattr(args, "json", None), str):
-            from twinstep.processes import disk
-
             disk.check_writable_file(args.json, "--json")
         if args.no_compile_cache:  # the processes a launch starts inherit it
             os.environ["TWINSTEP_NO_COMPILE_CACHE"] = "1"
         if name not in NO_JAX:
-            from twinstep.processes import settings
+            from twinstep.processes import settings  # lazy, the CLI's reason: it imports JAX
 
             settings.check_xla_flags()
             settings.set_own_xla_flags()
@@ -108,20 +107,20 @@ def main(argv=None) -> int:
         return _module(name).run(args, parser.commands[name])
     except UsageError as e:
         print(f"twinstep {args.command}: {e}", file=sys.stderr)
-        return settled(2)
+        return settled(ExitStatus.USAGE)
     except (ClusterError, BackendError) as e:
         print(f"twinstep {args.command}: {e}", file=sys.stderr)
-        return settled(3)
+        return settled(ExitStatus.INTERNAL)
     except KeyboardInterrupt:
         print(f"twinstep {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return ExitStatus.INTERRUPTED
     except Exception as e:  # noqa: BLE001 - the verdict is the exit status, the cause one line
         if args.debug or os.environ.get("TWINSTEP_DEBUG"):
-            settled(3)
+            settled(ExitStatus.INTERNAL)
             raise
         print(f"twinstep {args.command}: internal error: {type(e).__name__}: {e} "
               f"(TWINSTEP_DEBUG=1 shows the traceback)", file=sys.stderr)
-        return settled(3)
+        return settled(ExitStatus.INTERNAL)
 
 
 def settled(status: int) -> int:
@@ -133,6 +132,7 @@ def settled(status: int) -> int:
     where a peer may be gone (`entry` os._exits those)."""
     if "jax" not in sys.modules or _in_a_runtime():
         return status
+    # lazy, the CLI's reason: main imports no JAX; here it is loaded already (the test above)
     import jax
 
     try:  # JAX's own test; it has no public one
@@ -150,11 +150,10 @@ def settled(status: int) -> int:
 
 
 def _on_interrupt(signum, frame) -> None:
-    """Ctrl-C in the executable: one line and exit 130 at once (os._exit: no teardown, which can
-    crash while XLA's threads run, and no KeyboardInterrupt for a callback to swallow) — unless
-    files are being published, which then finish first (`twinstep.processes.disk.publish`)."""
-    from twinstep.processes import disk
-
+    """Ctrl-C in the executable: one line and `ExitStatus.INTERRUPTED` at once (os._exit: no
+    teardown, which can crash while XLA's threads run, and no KeyboardInterrupt for a callback
+    to swallow) — unless files are being published, which then finish first
+    (`twinstep.processes.disk.publish`)."""
     if disk.publishing:
         disk.interrupted = True
         return
@@ -162,16 +161,14 @@ def _on_interrupt(signum, frame) -> None:
     sys.stdout.flush()
     known = command in COMMANDS
     print(f"twinstep{' ' + command if known else ''}: interrupted", file=sys.stderr, flush=True)
-    os._exit(130)
+    os._exit(ExitStatus.INTERRUPTED)
 
 
 def entry() -> None:
     """The ``twinstep`` executable: main's status as the process's, Ctrl-C as `_on_interrupt`."""
-    import signal
-
     signal.signal(signal.SIGINT, _on_interrupt)
     status = main()
-    if status == 130 or (status != 0 and _in_a_runtime()):
+    if status == ExitStatus.INTERRUPTED or (status != ExitStatus.SUCCESS and _in_a_runtime()):
         # an interrupt: no teardown while XLA's threads run. A failure with several processes:
         # the runtime's shutdown would wait for peers that may be gone (a supervisor waited
         # its 10 s grace for it, then killed the process)

@@ -8,17 +8,19 @@ import sys
 
 from twinstep.cli import options
 from twinstep.cli.console import status
+from twinstep.data import packed
+from twinstep.errors import ExitStatus
+from twinstep.processes import disk
 
 
 def add(p) -> None:
-    from twinstep.data import packed
-
     p.description = ("Pack an image folder (DIR/train/<class>/..., DIR/val/<class>/...) for "
                      "'twinstep train --data PACKED': every image decoded once, its short side "
                      "brought down to at most --max-side, re-encoded as JPEG and stored with its "
                      "class in ArrayRecord shards, with a manifest (counts, sha256 per shard). "
                      "Images that do not decode are reported here and left out "
-                     "(docs/training.md#packed-data). " + options.exits({0: "packed"}))
+                     "(docs/training.md#packed-data). "
+                     + options.exits({ExitStatus.SUCCESS: "packed"}))
     p.add_argument("folder", metavar="DIR", help="the image folder")
     p.add_argument("--out", required=True, metavar="PACKED", help="a new (or empty) folder")
     options.count(p, "--max-side", packed.MAX_SIDE,
@@ -28,12 +30,13 @@ def add(p) -> None:
 
 
 def run(args, parser) -> int:
-    from twinstep import api
-
+    # what twinstep.pack does, without importing the API: it imports JAX, which pack never needs
+    # (cli/main's NO_JAX), and pack answers at once
+    disk.check_writable_folder(args.out, "--out")
     with status("packing") as say:
-        manifest = api.pack(args.folder, args.out, args.max_side, args.quality,
-                            progress=lambda split, done, total: say(
-                                f"packing {split}: {done}/{total}"))
+        manifest = packed.pack(args.folder, args.out, max_side=args.max_side,
+                               quality=args.quality, progress=lambda split, done, total: say(
+                                   f"packing {split}: {done}/{total}"))
     for gone in manifest["left_out"]:
         print(f"warning: {gone['path']} does not decode: left out", file=sys.stderr)
     counts = ", ".join(f"{n} {s['count']} images in {len(s['shards'])} shards"
@@ -41,4 +44,4 @@ def run(args, parser) -> int:
     size = sum(sh["bytes"] for s in manifest["splits"].values() for sh in s["shards"])
     print(f"packed {args.folder} into {args.out}: {counts}, {size / 2**20:.1f} MiB; "
           f"{len(manifest['left_out'])} left out")
-    return 0
+    return ExitStatus.SUCCESS

@@ -7,18 +7,20 @@ from rich.console import Console
 
 from twinstep.cli import options
 from twinstep.cli.console import mark, status
-from twinstep.errors import UsageError
+from twinstep.errors import ExitStatus, UsageError
+from twinstep.nets import NETS, get_net
+from twinstep.processes import settings
 
 
 def add(p) -> None:
-    from twinstep.nets import NETS
-
     p.description = ("Build timm's model with twinstep's random weights (BN statistics "
                      "randomised too), run one train step and one eval forward in both, and "
                      "print the logits' error, the worst parameter gradient's and the running "
                      "buffers', each against its bound (docs/nets.md#parity). "
-                     + options.exits({0: "within bounds", 1: "outside", 2: "bad usage or input, "
-                                      "or no [oracle] extra"}))
+                     + options.exits({ExitStatus.SUCCESS: "within bounds",
+                                      ExitStatus.FAILED: "outside",
+                                      ExitStatus.USAGE: "bad usage or input, or no [oracle] "
+                                                        "extra"}))
     p.add_argument("net", choices=sorted(NETS))
     options.count(p, "--res", 64, "input resolution (default 64)")
     options.count(p, "--batch", 2, "batch size (default 2)")
@@ -29,9 +31,10 @@ def add(p) -> None:
 
 
 def run(args, parser) -> int:
+    # lazy, the CLI's reason: the API and the check (the step, optax), which 'parity --help'
+    # need not load
     from twinstep import api
     from twinstep.checking import parity
-    from twinstep.processes import settings
 
     net = api.get_net(args.net)
     if args.res % net.INPUT_MULTIPLE:
@@ -44,13 +47,12 @@ def run(args, parser) -> int:
     except parity.OracleMissing as e:
         raise UsageError(str(e)) from None
     show(r, args.res, args.batch, args.classes)
-    return 0 if r.ok else 1
+    return ExitStatus.SUCCESS if r.ok else ExitStatus.FAILED
 
 
 def show(r, res: int, batch: int, classes: int, console=None) -> None:
     """`twinstep.checking.parity.ParityReport`: each error against its bound, the verdict last."""
-    from twinstep.checking import parity
-    from twinstep.nets import get_net
+    from twinstep.checking import parity  # lazy, the CLI's reason, as in run
 
     console = console or Console()
     p = r.precision

@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+
+from twinstep.checking import picture
 from twinstep.cli import options
+from twinstep.errors import ExitStatus, UsageError
+from twinstep.training import run_log
 
 
 def add(p) -> None:
@@ -13,7 +19,7 @@ def add(p) -> None:
                      "parameter's error and bound along the net) or 'twinstep certify --json' "
                      "(every check's error over its bound); a whole-step tie's ('tie --recipe' "
                      "or '--render') draws each state tensor's error over its bound at each "
-                     "step. " + options.exits({0: "written"}))
+                     "step. " + options.exits({ExitStatus.SUCCESS: "written"}))
     p.add_argument("run_dir", metavar="RUN_DIR|REPORT.json",
                    help="a run's folder ('twinstep train --out'), or a tie's or a "
                    "certification's JSON report")
@@ -21,18 +27,9 @@ def add(p) -> None:
 
 
 def run(args, parser) -> int:
-    import json
-    import os
-
-    from twinstep.errors import UsageError
-
     if not os.path.isfile(args.run_dir):  # a run's folder, or says what a run's holds
-        from twinstep.training import run_log
-
         print(run_log.plot(args.run_dir, args.out))
-        return 0
-    from twinstep.checking import picture
-
+        return ExitStatus.SUCCESS
     try:
         with open(args.run_dir) as f:
             report = json.load(f)
@@ -46,4 +43,4 @@ def run(args, parser) -> int:
         raise UsageError(f"{args.run_dir}: neither a tie's report ('twinstep tie --json', one "
                          f"step or whole steps) nor a certification's ('twinstep certify "
                          f"--json')") from None
-    return 0
+    return ExitStatus.SUCCESS

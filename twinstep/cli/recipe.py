@@ -7,9 +7,13 @@ import argparse
 import dataclasses
 import json
 
+from rich.console import Console
+from rich.table import Table
+
 from twinstep import recipes
 from twinstep.cli import options
 from twinstep.data.transforms import CROP_PCT
+from twinstep.errors import ExitStatus
 
 
 def add(p) -> None:
@@ -20,7 +24,8 @@ def add(p) -> None:
         "Tokens go in this order, each at most once; each is described in docs/recipes.md. The "
         "replica count R is\nnot in the name.\n\nPresets (timm's recipes; dp on R = 8):\n"
         + "\n".join(f"  {k:<12} {v.name}" for k, v in recipes.PRESETS.items())
-        + "\n\n" + options.exits({0: "a valid name", 2: "a bad one (the error names the token)"}))
+        + "\n\n" + options.exits({ExitStatus.SUCCESS: "a valid name",
+                                  ExitStatus.USAGE: "a bad one (the error names the token)"}))
     p.add_argument("name", help="a grammar name, e.g. resnet50in160_lambaccdp4x128wxclipbcebf16, "
                                 "or a preset")
     options.replicas(p, None, "also print the effective batch R*N*k", "R")
@@ -28,9 +33,6 @@ def add(p) -> None:
 
 
 def run(args, parser) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     r = recipes.parse(args.name)
     if args.json:
         d = {"name": r.name, **dataclasses.asdict(r), "train_res": r.train_res,
@@ -41,14 +43,14 @@ def run(args, parser) -> int:
             d["replicas"] = args.replicas
             d["effective_batch"] = r.effective_batch(args.replicas)
         print(json.dumps(d))
-        return 0
+        return ExitStatus.SUCCESS
     table = Table(title=args.name if args.name == r.name else f"{args.name} = {r.name}")
     table.add_column("field")
     table.add_column("value")
     for label, value in describe(r, args.replicas):
         table.add_row(label, value)
     Console().print(table)
-    return 0
+    return ExitStatus.SUCCESS
 
 
 def describe(recipe: recipes.Recipe, replicas: int | None = None) -> list[tuple[str, str]]:

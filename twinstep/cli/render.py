@@ -12,14 +12,15 @@ from rich.table import Table
 
 from twinstep.cli import options
 from twinstep.cli.console import status
+from twinstep.collectives import CONTROLS
+from twinstep.errors import ExitStatus
+from twinstep.ops.precision import NAMES as PRECISIONS
+from twinstep.processes import disk
+from twinstep.rendering import render
+from twinstep.rendering.manifest import PLATFORMS
 
 
 def add(p) -> None:
-    from twinstep.collectives import CONTROLS
-    from twinstep.ops.precision import NAMES as PRECISIONS
-    from twinstep.rendering import render
-    from twinstep.rendering.manifest import PLATFORMS
-
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = (
         "Export a recipe's whole train step — forward, loss, backward with its sync-BN sites, "
@@ -27,8 +28,9 @@ def add(p) -> None:
         "with jax.export, from an\nabstract mesh (no R devices needed). Writes NAME.mlir "
         "(StableHLO), NAME.jaxexport (the serialized\nexport) and NAME.json (the manifest), and "
         "with --target iree NAME.vmfb (docs/renders.md).\n\n"
-        + options.exits({0: "every render written", 3: "IREE missing or unable to compile the "
-                                                        "step, or an internal error"}))
+        + options.exits({ExitStatus.SUCCESS: "every render written",
+                         ExitStatus.INTERNAL: "IREE missing or unable to compile the step, or "
+                                              "an internal error"}))
     p.add_argument("name", nargs="?", help="a recipe name or preset ('twinstep recipe')")
     p.add_argument("--all", action="store_true",
                    help=f"render the reference names and the presets (docs/recipes.md), at "
@@ -53,28 +55,25 @@ def add(p) -> None:
 
 
 def run(args, parser) -> int:
-    from twinstep import api
-    from twinstep.processes import disk
-    from twinstep.rendering import render
+    from twinstep import api  # lazy, the CLI's reason: the whole API, past 'render --help's needs
 
     if args.all == (args.name is not None):
         parser.error("give a recipe NAME or --all (not both)")
     disk.check_writable_folder(args.out, "--out")
     names = render.all_names() if args.all else [args.name]
     res = args.res or (render.SMALL_RES if args.all else None)
+    given = {"res": res, "classes": args.classes, "precision": args.precision,
+             "platform": args.platform, "control": args.control, "target": args.target}
     for name in names:  # every configuration checked before the first export
-        render.RenderConfig(name, args.replicas, res, args.classes, args.precision,
-                            args.platform, args.control, args.target)
+        render.RenderConfig(name, args.replicas, **given)
     rows = []
     for i, name in enumerate(names):
         t0 = time.perf_counter()
         with status(f"rendering {name} ({i + 1}/{len(names)})"):
-            made = api.render(name, args.replicas, args.out, res=res, classes=args.classes,
-                              precision=args.precision, platform=args.platform,
-                              control=args.control, target=args.target)
+            made = api.render(name, args.replicas, args.out, **given)
         rows.append((made.manifest, time.perf_counter() - t0))
     show(rows, args.replicas, args.out)
-    return 0
+    return ExitStatus.SUCCESS
 
 
 def show(rows: list, replicas: int, out: str, console=None) -> None:

@@ -9,14 +9,24 @@ import dataclasses
 import sys
 
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
 
 from twinstep.cli import options
+from twinstep.collectives import CONTROLS
+from twinstep.data.sources import LOADERS
+from twinstep.errors import ExitStatus
+from twinstep.ops.precision import NAMES as PRECISIONS
+from twinstep.processes import cluster
+from twinstep.training.config import DIGITS_RES, MAX_WORKERS, SMOKE_STEPS, TrainConfig
 
 
 def add(p) -> None:
-    from twinstep.ops.precision import NAMES as PRECISIONS
-    from twinstep.training.config import DIGITS_RES, SMOKE_STEPS, TrainConfig
-
     default = options.defaults(TrainConfig)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = (
@@ -26,8 +36,9 @@ def add(p) -> None:
         "again with the same --out continues the run from its\nlatest checkpoint, bit for bit. "
         "--data is 'digits' (bundled, no download) or an image folder\nDIR/train/<class>/..., "
         "DIR/val/<class>/... read through timm's transforms (docs/training.md).\n\n"
-        + options.exits({0: "trained", 3: "a non-finite loss (the last checkpoint stays), or an "
-                                          "internal or environment error"}))
+        + options.exits({ExitStatus.SUCCESS: "trained",
+                         ExitStatus.INTERNAL: "a non-finite loss (the last checkpoint stays), "
+                                              "or an internal or environment error"}))
     p.add_argument("recipe", help="a recipe name or preset ('twinstep recipe'); a dp recipe for "
                                   "--replicas > 1")
     p.add_argument("--data", default=default["data"], metavar="DIR|digits",
@@ -72,12 +83,10 @@ def add(p) -> None:
                    ".safetensors), e.g. to fine-tune; a classifier of another width is "
                    "initialised afresh")
     p.add_argument("--stall-timeout", type=float, metavar="S",
-                   help="end the run (exit 3, one line) when it makes no progress for S "
-                        "seconds — a hung collective, a stuck loader —, so that 'launch "
-                        "--max-restarts' restarts it (default: max(10 x the median time "
-                        "between metrics read-backs, 300); docs/training.md#stalls)")
-    from twinstep.collectives import CONTROLS
-
+                   help=f"end the run (exit {ExitStatus.INTERNAL:d}, one line) when it makes "
+                        "no progress for S seconds — a hung collective, a stuck loader —, so "
+                        "that 'launch --max-restarts' restarts it (default: max(10 x the median "
+                        "time between metrics read-backs, 300); docs/training.md#stalls)")
     p.add_argument("--control", choices=sorted(CONTROLS), default=default["control"],
                    help="train a deliberately broken step: a negative control, which a "
                         "comparison with a correct run must catch (not 'unsynced', whose "
@@ -91,9 +100,6 @@ def add(p) -> None:
 
 def _loader_options(p, default: dict) -> None:
     """How an image folder is read and augmented: --workers, --loader, the augmentations."""
-    from twinstep.data.sources import LOADERS
-    from twinstep.training.config import MAX_WORKERS
-
     p.add_argument("--workers", type=options.int_in(0, MAX_WORKERS + 1),
                    default=default["workers"], metavar="W",
                    help=f"loader processes decoding and augmenting images (default "
@@ -117,9 +123,8 @@ def _loader_options(p, default: dict) -> None:
 
 
 def run(args, parser) -> int:
+    # lazy, the CLI's reason: the API and the loop (orbax, the step), past 'train --help's needs
     from twinstep import api
-    from twinstep.processes import cluster
-    from twinstep.training.config import TrainConfig
     from twinstep.training.loop import NonFinite
 
     config = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
@@ -135,14 +140,14 @@ def run(args, parser) -> int:
                                warn=lambda text: print(f"warning: {text}", file=sys.stderr))
         except NonFinite as e:
             print(f"twinstep train: {e}", file=sys.stderr)
-            return 3
+            return ExitStatus.INTERNAL
     if not primary:
-        return 0
+        return ExitStatus.SUCCESS
     for weights, m in result.items():
         print(f"val ({weights}): top-1 {m['top1']:.2%} (95% interval {m['top1_low']:.1%}–"
               f"{m['top1_high']:.1%}), top-5 {m['top5']:.2%}, loss {m['loss']:.4f}")
     print(f"run: {args.out} (metrics.jsonl, tb/, correct/, checkpoints/)")
-    return 0
+    return ExitStatus.SUCCESS
 
 
 @contextlib.contextmanager
@@ -150,14 +155,6 @@ def progress(total: int, quiet: bool = False):
     """A progress bar on stderr — step, epoch, loss, lr, img/s, ETA, the last top-1 and what
     runs between steps (an evaluation) — yielding ``update(step, metrics)`` (a no-op when
     ``quiet`` or stderr is not a terminal)."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
-
     console = Console(stderr=True)
     if quiet or not console.is_terminal:
         yield lambda step, metrics: None

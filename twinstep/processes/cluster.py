@@ -22,8 +22,10 @@ import threading
 
 import jax
 import numpy as np
+from jax._src import distributed  # the runtime's client: no public barrier with a timeout
+from jax.experimental import multihost_utils
 
-from twinstep.errors import ClusterError, UsageError
+from twinstep.errors import ClusterError, ExitStatus, UsageError
 
 HEARTBEAT_TIMEOUT_S = 30  # a dead process is noticed this long after its last heartbeat
 INIT_TIMEOUT_S = 120  # how long a process waits for all the others to join
@@ -83,7 +85,7 @@ def _never_joined(where: str, process_id, num_processes) -> None:
           f"processes within {INIT_TIMEOUT_S - WATCHDOG_MARGIN_S} s (process {process_id} "
           f"waited): is every process started, with the same --coordinator and "
           f"--num-processes?", file=sys.stderr, flush=True)
-    os._exit(3)
+    os._exit(ExitStatus.INTERNAL)
 
 
 def _first_line(e: BaseException) -> str:
@@ -168,8 +170,6 @@ def whole(a) -> np.ndarray:
     calls this together)."""
     if isinstance(a, jax.Array) and not a.is_fully_addressable and (
             not a.sharding.is_fully_replicated):
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(a, tiled=True))
     return local_value(a)
 
@@ -206,8 +206,6 @@ def total(values: np.ndarray) -> np.ndarray:
     """The element-wise sum of ``values`` over the processes (every process gets it)."""
     if count() == 1:
         return np.asarray(values)
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(np.asarray(values))).sum(0)
 
 
@@ -235,8 +233,6 @@ def from_primary(name: str, value: str | None) -> str:
 
 def _meeting(name: str) -> tuple:
     """(the runtime's client, the key of this meeting of ``name``: each has its own)."""
-    from jax._src import distributed  # the runtime's client: no public barrier with a timeout
-
     _barriers[name] = _barriers.get(name, 0) + 1
     return distributed.global_state.client, f"twinstep/{name}/{_barriers[name]}"
 

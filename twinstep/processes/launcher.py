@@ -8,8 +8,9 @@ each stop named on stderr: no process is left waiting on a collective that can n
 
 With ``max_restarts`` N the launcher is a supervisor (docs/hosts.md#restarts): after a failure
 it starts all P again, up to N times — a train run resumes from its latest checkpoint, bit for
-bit — and each restart is one line and a line of RUN_DIR/restarts.jsonl. Bad usage (2) and an
-interrupt (130) are never restarted. The launcher's status is 0, or the last failure's.
+bit — and each restart is one line and a line of RUN_DIR/restarts.jsonl. Bad usage
+(`ExitStatus.USAGE`) and an interrupt (`ExitStatus.INTERRUPTED`) are never restarted. The
+launcher's status is `ExitStatus.SUCCESS`, or the last failure's (`KNOWN_STATUS`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ import sys
 import threading
 import time
 
-from twinstep.errors import UsageError
+from twinstep.errors import ExitStatus, UsageError
 
 GRACE_S = 10  # after SIGTERM, how long a process has before SIGKILL
 POLL_S = 0.1
 SETTLE_S = 0.5  # after a failure, how long until the cause is chosen among the failed
-KNOWN_STATUS = (1, 2, 3, 4, 130)  # a failed process's status passed on as is (else 3)
-NO_RESTART = (2, 130)  # bad usage fails again the same way; an interrupt is the user's
+# a failed process's status passed on as is; a signal or any other status is INTERNAL
+KNOWN_STATUS = tuple(s for s in ExitStatus if s != ExitStatus.SUCCESS)
+# bad usage fails again the same way; an interrupt is the user's
+NO_RESTART = (ExitStatus.USAGE, ExitStatus.INTERRUPTED)
 COMMANDS = ("train", "tie")  # the commands that run over several processes
 
 
@@ -82,14 +85,15 @@ def _describe(status: int) -> str:
 def run(processes: int, argv: list[str], *, port: int | None = None,
         gpus_per_process: int | None = None, max_restarts: int = 0,
         restart_delay: float = 0.0) -> int:
-    """Start the processes and wait: 0 when all end with 0, else the failure's status — after
-    up to ``max_restarts`` restarts of all of them, ``restart_delay`` s after each failure."""
+    """Start the processes and wait: `ExitStatus.SUCCESS` when all end with it, else the
+    failure's status — after up to ``max_restarts`` restarts of all of them, ``restart_delay``
+    s after each failure."""
     if processes < 1:
         raise UsageError(f"--local must be >= 1, got {processes}")
     commands(processes, argv, 1, gpus_per_process)  # refuse bad usage before starting any
     for attempt in range(max_restarts + 1):
         status, failed = _attempt(processes, argv, port, gpus_per_process)
-        if status in (0, *NO_RESTART) or attempt == max_restarts:
+        if status in (ExitStatus.SUCCESS, *NO_RESTART) or attempt == max_restarts:
             return status
         step = resume_step(argv)
         print(f"twinstep launch: restart {attempt + 1} of {max_restarts}: process {failed[0]} "
@@ -119,15 +123,15 @@ def _attempt(processes: int, argv: list[str], port: int | None,
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
         _stop(procs, None)
-        failed, status = None, 130
+        failed, status = None, ExitStatus.INTERRUPTED
     else:
-        status = 0
+        status = ExitStatus.SUCCESS
         if failed is not None:
             i, code = failed
             print(f"twinstep launch: process {i} {_describe(code)}; stopping the others",
                   file=sys.stderr, flush=True)
             _stop(procs, i)
-            status = code if code in KNOWN_STATUS else 3
+            status = ExitStatus(code) if code in KNOWN_STATUS else ExitStatus.INTERNAL
     for t in threads:
         t.join(timeout=5)
     return status, failed

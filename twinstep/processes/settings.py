@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import hashlib
 import os
 import subprocess
 import sys
+import time
 
 import jax
+from jax.experimental import serialize_executable
 
 from twinstep.errors import BackendError, UsageError
 
@@ -74,11 +79,6 @@ def compiled(lowered, devices: list, folder: str | None = None):
     folder = folder or jax.config.jax_compilation_cache_dir
     if jax.process_index() == 0 or not folder:
         return lowered.compile()
-    import hashlib
-    import time
-
-    from jax.experimental import serialize_executable
-
     place = [(d.id, d.process_index, d.platform) for d in devices]
     text = "\n".join([lowered.as_text(), repr(place), str(jax.process_index()),
                       jax.__version__, jax.lib.__version__, os.environ.get("XLA_FLAGS", "")])
@@ -132,7 +132,7 @@ def check_xla_flags() -> None:
     """XLA reads XLA_FLAGS when its backend starts and aborts the process on a flag it does not
     know, with its own log line and no exit status of ours. When XLA_FLAGS holds more than
     `OWN_XLA_FLAGS`, a throw-away process starts XLA first (about a second); a refusal is
-    BackendError (exit 3, one line)."""
+    BackendError (an environment error, `ExitStatus.INTERNAL`, in one line)."""
     if not set(os.environ.get("XLA_FLAGS", "").split()) - set(_own_flags().values()):
         return
     try:
@@ -176,9 +176,6 @@ def release_freed_memory() -> None:
     after XLA's compiles most of all (docs/speed.md#memory)."""
     global _trim
     if _trim is None:
-        import ctypes
-        import ctypes.util
-
         try:
             _trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
         except (OSError, AttributeError):  # not glibc

@@ -23,12 +23,15 @@ import tempfile
 # a slower run (twinstep's dp.FAST_COMPILE, repeated here because this file imports no twinstep;
 # a test holds the two equal).
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+# The exit statuses this script uses: twinstep's `ExitStatus` (docs/cli.md#exit-status), repeated
+# by name for the same reason (a test holds them equal).
+SUCCESS, USAGE, INTERNAL, INTERRUPTED = 0, 2, 3, 130
 
 
 def _known(options: dict) -> dict:
     """``options`` less those this process's XLA does not know (it refuses them; JAX 0.12's has
     no legacy loop emitters), as twinstep's dp.compiler_options."""
-    import jax
+    import jax  # lazy, a script's reason (run's, below); loaded by run already
 
     def compiles(option, value) -> bool:
         try:
@@ -41,7 +44,7 @@ def _known(options: dict) -> dict:
 
 
 class Refused(Exception):
-    """Bad usage or input: one line on stderr, exit 2."""
+    """Bad usage or input: one line on stderr, exit USAGE."""
 
 
 def _read(path: str) -> bytes:
@@ -82,6 +85,8 @@ def run(args) -> int:
     if "jax" not in sys.modules:  # R virtual CPU devices (ignored by GPU backends)
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={r}")
+    # lazy, a script's reason: its usage and the render's files are checked before JAX loads
+    # (this file imports nothing from twinstep, and no JAX at the top)
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -126,12 +131,12 @@ def run(args) -> int:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return 0
+    return SUCCESS
 
 
 def main(argv=None) -> int:
-    """Exit 0 written, 2 bad usage or input, 3 an internal error, 130 interrupted; errors are one
-    line on stderr."""
+    """Exit SUCCESS written, USAGE bad usage or input (argparse's errors too), INTERNAL an
+    internal error, INTERRUPTED interrupted; errors are one line on stderr."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("render", help="NAME.jaxexport (NAME.json and NAME.mlir beside it)")
     p.add_argument("--inputs", required=True, help=".npz with one array per manifest input")
@@ -143,13 +148,13 @@ def main(argv=None) -> int:
         return run(args)
     except Refused as e:
         print(f"runner.py: {e}", file=sys.stderr)
-        return 2
+        return USAGE
     except KeyboardInterrupt:
         print("runner.py: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except Exception as e:  # noqa: BLE001 - the verdict is the exit status, the cause one line
         print(f"runner.py: internal error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 3
+        return INTERNAL
 
 
 if __name__ == "__main__":

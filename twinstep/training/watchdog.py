@@ -1,7 +1,7 @@
 """The training loop's watchdog (docs/training.md#stalls): a thread that ends the process — one
-line on stderr, exit 3 — when the loop makes no progress for longer than its limit, so that a
-hung collective, a stuck loader or a frozen peer becomes a failure a supervisor restarts
-(`twinstep launch --max-restarts`) instead of a silent wait.
+line on stderr, `ExitStatus.INTERNAL` — when the loop makes no progress for longer than its
+limit, so that a hung collective, a stuck loader or a frozen peer becomes a failure a
+supervisor restarts (`twinstep launch --max-restarts`) instead of a silent wait.
 
 The loop reports progress at each of its boundaries (`progress`: a metrics read-back, which
 waits for the devices) and the thread compares the time since the last report with the limit:
@@ -22,6 +22,11 @@ import statistics
 import sys
 import threading
 import time
+
+from jax._src import distributed  # the runtime's key-value store: no public API
+
+from twinstep.data import workers
+from twinstep.errors import ExitStatus
 
 STALL_FACTOR = 10
 STALL_FLOOR_S = 300.0
@@ -90,8 +95,6 @@ class Watchdog:
         """Publish this process's (step, beat); {process: (step, beat)} of every process."""
         if self.processes == 1:
             return {}
-        from jax._src import distributed  # the runtime's key-value store: no public API
-
         client = distributed.global_state.client
         self.beats += 1
         try:
@@ -113,7 +116,6 @@ class Watchdog:
               f"stall limit, {self.limit():.0f} s: --stall-timeout){who}", file=sys.stderr,
               flush=True)
         sys.stdout.flush()
-        from twinstep.data import workers
-
         workers.abandon()  # what closing the loader would have done
-        os._exit(3)  # the main thread may be blocked in XLA for good: nothing else ends it
+        # the main thread may be blocked in XLA for good: nothing else ends it
+        os._exit(ExitStatus.INTERNAL)
