@@ -37,7 +37,7 @@ class OracleMissing(RuntimeError):
 
 
 def _torch():
-    try:
+    try:  # lazy: the [oracle] extra, maybe absent (OracleMissing, one line)
         import timm
         import torch
     except ImportError as e:  # pragma: no cover - exercised only without the extra
@@ -101,7 +101,7 @@ def loss_and_targets(kind: str, labels, num_classes: int):
     """(our targets [N, K] as `step.grad_step` takes them, timm's criterion, torch targets) for
     integer labels."""
     torch, _ = _torch()
-    from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy
+    from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy  # lazy: [oracle]
 
     onehot = np.eye(num_classes)[labels]
     if kind == "ce":

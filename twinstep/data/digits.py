@@ -21,7 +21,9 @@ VAL_EVERY = 6
 
 @functools.lru_cache(maxsize=1)
 def _raw() -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits  # ~0.3 s: only when digits are asked for
+    # lazy: scikit-learn (~0.3 s idle, seconds on a loaded machine) only when the digits are
+    # asked for; every train, 'train --help' and loader worker imports this module (its source)
+    from sklearn.datasets import load_digits
 
     d = load_digits()
     return (d.images / 16.0).astype(np.float32), d.target.astype(np.int32)

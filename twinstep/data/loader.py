@@ -95,6 +95,7 @@ def stream(make, start: int, stop: int, workers: int):
     if workers > 0:
         yield from workers_module.stream(make, start, stop, workers, PREFETCH)
         return
+    # lazy: grain imports JAX, and loader workers (spawned processes) import this module
     import grain
 
     dataset = grain.MapDataset.range(start, stop).map(make)

@@ -21,10 +21,13 @@ import os
 import struct
 
 import numpy as np
+from array_record.python.array_record_data_source import ArrayRecordDataSource
+from array_record.python.array_record_module import ArrayRecordWriter
 from PIL import Image
 
 from twinstep.data import folder
 from twinstep.errors import UsageError
+from twinstep.processes import disk
 
 FORMAT = "twinstep-packed/1"
 MANIFEST = "manifest.json"
@@ -59,8 +62,6 @@ def pack(root: str, out: str, *, max_side: int = MAX_SIDE, quality: int = QUALIT
     """Pack the image folder ``root`` into the new folder ``out``; returns the manifest.
     ``progress(split, done, total)`` is told of every image. The manifest is written last:
     a folder without one is not a packed folder (an interrupted pack is refused, not read)."""
-    from array_record.python.array_record_module import ArrayRecordWriter
-
     if not 1 <= quality <= 95:
         raise UsageError(f"--quality must be in [1, 95], got {quality}")
     if max_side < 1 or shard_records < 1:
@@ -102,8 +103,6 @@ def pack(root: str, out: str, *, max_side: int = MAX_SIDE, quality: int = QUALIT
             "count": len(labels), "labels": f"{name}-labels.npy",
             "shards": [{"file": f, "bytes": os.path.getsize(os.path.join(out, f)),
                         "sha256": _sha256(os.path.join(out, f))} for f in shards]}
-    from twinstep.processes import disk
-
     disk.publish({os.path.join(out, MANIFEST): json.dumps(manifest, indent=1).encode()})
     return manifest
 
@@ -147,8 +146,6 @@ class Split:
 def _records(shards: list[str]):
     """The shards as one random-access sequence of records: array_record's own source (what
     grain's wraps), whose import is a twentieth of grain's — a loader worker starts on it."""
-    from array_record.python.array_record_data_source import ArrayRecordDataSource
-
     return ArrayRecordDataSource(shards)
 
 

@@ -135,6 +135,8 @@ def check(data: str, loader: str) -> None:
 
 
 def _loader(name: str):
+    # by name, when chosen: the device loader imports JAX (and needs the [nvimgcodec] extra),
+    # and loader workers (spawned processes) import this module
     return importlib.import_module(LOADERS[name])
 
 

@@ -19,6 +19,8 @@ import math
 import numpy as np
 from PIL import Image
 
+from twinstep.data.augment import rand_augment
+
 MEAN = np.array([0.485, 0.456, 0.406], np.float32)  # timm's IMAGENET_DEFAULT_MEAN
 STD = np.array([0.229, 0.224, 0.225], np.float32)  # timm's IMAGENET_DEFAULT_STD
 
@@ -129,8 +131,6 @@ def train_transform(img: Image.Image, size: int, rng: np.random.Generator,
     if rng.random() < HFLIP:
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     if randaugment is not None:
-        from twinstep.data.augment import rand_augment  # only the RandAugment recipes need it
-
         img = rand_augment(img, rng, randaugment, size)
     return np.asarray(img, dtype=np.uint8)
 

@@ -5,6 +5,7 @@ partial file (and a set of files is renamed only once every one of them is writt
 from __future__ import annotations
 
 import fcntl
+import io
 import os
 import tempfile
 
@@ -91,6 +92,7 @@ def png_figure(path: str, flag: str, size: tuple):
     if not path.lower().endswith(".png"):
         raise UsageError(f"{flag} {path}: a .png file name")
     check_writable_file(path, flag)
+    # lazy: matplotlib (~1 s to import) only for a figure; every command imports this module
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -101,8 +103,6 @@ def png_figure(path: str, flag: str, size: tuple):
 
 def publish_png(fig, path: str) -> str:
     """Write ``fig`` to ``path`` as a PNG, whole or not at all; returns ``path``."""
-    import io
-
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
     publish({path: png.getvalue()})

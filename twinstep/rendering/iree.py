@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from importlib import metadata
 
 import numpy as np
 
@@ -34,7 +35,7 @@ DRIVER = "local-task"  # the multithreaded CPU driver
 
 
 def _compiler():
-    try:
+    try:  # lazy: the [iree] extra, maybe absent (a BackendError in one line)
         from iree.compiler import tools
     except ImportError:
         raise BackendError(f"IREE's compiler is not installed: {INSTALL}") from None
@@ -42,7 +43,7 @@ def _compiler():
 
 
 def _runtime():
-    try:
+    try:  # lazy: the [iree] extra, maybe absent (a BackendError in one line)
         import iree.runtime as rt
     except ImportError:
         raise BackendError(f"IREE's runtime is not installed: {INSTALL}") from None
@@ -51,8 +52,6 @@ def _runtime():
 
 def version() -> str:
     """The installed IREE compiler's version (what a manifest records)."""
-    from importlib import metadata
-
     _compiler()
     return metadata.version("iree-base-compiler")
 

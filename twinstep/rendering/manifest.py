@@ -11,7 +11,6 @@ import math
 
 import jax
 
-import twinstep
 from twinstep import dp, recipes
 from twinstep.collectives import CONTROLS, SITES, grad_buckets
 from twinstep.defaults import MAX_REPLICAS
@@ -20,6 +19,7 @@ from twinstep.nets import get_net, layers
 from twinstep.ops.precision import NAMES as PRECISIONS
 from twinstep.ops.precision import get_precision
 from twinstep.rendering import stablehlo
+from twinstep.version import __version__
 
 KEYS = ("name", "recipe", "versions", "platform", "net", "replicas", "batch", "global_batch",
         "accum", "res", "classes", "precision", "control", "parameters", "mesh",
@@ -41,7 +41,7 @@ def build(cfg, export, mlir: str) -> dict:
     return {
         "name": cfg.name,  # as asked: a preset keeps its lr and schedule, its grammar name not
         "recipe": recipe.name,
-        "versions": {"twinstep": twinstep.__version__, "jax": jax.__version__,
+        "versions": {"twinstep": __version__, "jax": jax.__version__,
                      "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
                      "calling_convention": exported.calling_convention_version},
         "platform": exported.platforms[0],

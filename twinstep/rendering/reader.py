@@ -21,6 +21,7 @@ from twinstep import dp
 from twinstep import step as steps
 from twinstep.errors import RenderError, UsageError
 from twinstep.processes import cluster
+from twinstep.rendering import iree
 from twinstep.rendering import manifest as manifests
 
 SUFFIXES = (".jaxexport", ".vmfb")  # XLA's serialized export; IREE's module
@@ -140,8 +141,6 @@ def iree_step(vmfb: bytes, exported: jax.export.Exported, manifest: dict):
     IREE's CPU driver: host arrays in, host arrays out (single-device renders only). The
     module's main takes only the inputs the program reads (``exported.module_kept_var_idx``:
     jax.export drops the rest, e.g. the key of a step that draws no masks)."""
-    from twinstep.rendering import iree
-
     if manifest["replicas"] != 1:
         raise UsageError("IREE runs single-device renders (R = 1) only")
     call, kept = iree.load(vmfb), sorted(exported.module_kept_var_idx)

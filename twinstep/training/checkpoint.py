@@ -15,6 +15,7 @@ import os
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
 from twinstep.processes import cluster
 
@@ -25,9 +26,6 @@ class Checkpoints:
     """The checkpoints of one run; a context manager that waits for the last write on exit."""
 
     def __init__(self, run_dir: str, keep: int, keep_every: int | None = None):
-        import orbax.checkpoint as ocp
-
-        self._ocp = ocp
         self.manager = ocp.CheckpointManager(
             os.path.abspath(os.path.join(run_dir, FOLDER)), item_handlers=_handler(),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_every,
@@ -49,7 +47,7 @@ class Checkpoints:
     def save(self, step: int, state) -> None:
         """Checkpoint ``state`` at ``step``: one host copy (orbax took 2.2x as long over R
         replicated arrays; docs/training.md#checkpoints)."""
-        self.manager.save(step, args=self._ocp.args.PyTreeSave(
+        self.manager.save(step, args=ocp.args.PyTreeSave(
             jax.tree.map(cluster.whole, state)))
 
     def __enter__(self):
@@ -64,8 +62,6 @@ def load_state(run_dir: str, step: int | None = None):
     """A checkpoint of RUN_DIR (the latest by default) as saved — nested dicts of NumPy arrays in
     their own dtypes (float64 too, whether or not JAX has x64 on) — in any process, whatever
     devices the run had."""
-    import orbax.checkpoint as ocp
-
     path = os.path.abspath(os.path.join(run_dir, FOLDER))
     with ocp.CheckpointManager(path, item_handlers=_handler()) as m:
         step = m.latest_step() if step is None else step
@@ -77,8 +73,6 @@ def _handler():
     """orbax's handler of a tree of arrays, writing without compression: zstd saved 5-21 % of
     the disk for 16-45 % more CPU time, taken from the steps and the data loader while a write
     runs (docs/training.md#checkpoints)."""
-    import orbax.checkpoint as ocp
-
     return ocp.PyTreeCheckpointHandler(use_compression=False)
 
 
@@ -86,7 +80,5 @@ def _as_numpy(item, like):
     """orbax's restore arguments reading a checkpoint as NumPy arrays of ``like``'s dtypes
     (``like``: arrays or orbax's metadata of them), into ``item``'s tree (None: the tree as
     saved, nested dicts and lists)."""
-    import orbax.checkpoint as ocp
-
     return ocp.args.PyTreeRestore(item, restore_args=jax.tree.map(
         lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), like))

@@ -53,6 +53,8 @@ def _import_tensorboardx():
     """The tensorboardX package, imported without torch: tensorboardX's writer imports torch
     when it is installed (only to recognise torch tensors, which twinstep never logs), 2.6 s
     on this machine, and twinstep's product code never loads torch (it is a test oracle here)."""
+    # lazy: tensorboardX is imported under this sys.modules patch, and only by a RunLog (the
+    # module docstring: this module imports only the standard library)
     if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
         sys.modules["torch"] = None  # `import torch` raises ImportError, which it tolerates
         try:
@@ -130,7 +132,7 @@ def read_correct_steps(run_dir: str) -> list[int]:
 
 def read_correct(run_dir: str, step: int) -> tuple[str, dict]:
     """(the val split's fingerprint, {"raw": bool [n], "ema": ...}) of evaluation ``step``."""
-    import numpy as np
+    import numpy as np  # lazy: this module imports only the standard library (its docstring)
 
     with np.load(_correct_path(run_dir, step)) as f:
         return str(f["val"]), {k: f[k] for k in f.files if k != "val"}
@@ -163,7 +165,7 @@ class RunLog:
             raise
 
     def _open_events(self, tb_dir: str, purge_step: int) -> None:
-        _import_tensorboardx()
+        _import_tensorboardx()  # lazy, below: only after torch is hidden from tensorboardX
         from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto.event_pb2 import Event, SessionLog
         from tensorboardX.proto.summary_pb2 import Summary
@@ -219,7 +221,7 @@ class RunLog:
         """Save evaluation ``step``'s per-image top-1 hits {"raw": bool [n], "ema": ...} as
         RUN_DIR/correct/step_<step>.npz beside ``val``, the val split's fingerprint
         (`twinstep.training.evaluation.val_fingerprint`); written whole or not at all."""
-        import numpy as np
+        import numpy as np  # lazy: this module imports only the standard library (its docstring)
 
         os.makedirs(os.path.join(self.run_dir, CORRECT), exist_ok=True)
         npz = io.BytesIO()

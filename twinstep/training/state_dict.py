@@ -27,11 +27,13 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from safetensors.numpy import load_file, save_file
 
 from twinstep.errors import UsageError
 from twinstep.nets import layers
 from twinstep.ops.precision import get_precision
 from twinstep.processes import disk
+from twinstep.training.checkpoint import FOLDER, load_state
 
 _STORAGES = {"FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
              "BFloat16Storage": ml_dtypes.bfloat16, "LongStorage": np.int64,
@@ -45,8 +47,6 @@ def load(path) -> dict:
     """{name: np.ndarray} from a .safetensors or PyTorch .pth/.pt file."""
     path = Path(path)
     if path.suffix == ".safetensors":
-        from safetensors.numpy import load_file
-
         sd = load_file(str(path))
     else:
         sd = _load_pth(path)
@@ -61,8 +61,6 @@ def save(path, state: dict) -> None:
     path = Path(path)
     arrays = {k: np.require(np.asarray(v), requirements="C") for k, v in state.items()}
     if path.suffix == ".safetensors":
-        from safetensors.numpy import save_file
-
         save_file(arrays, str(path))
     elif path.suffix in (".pth", ".pt"):
         _save_pth(path, arrays)
@@ -204,8 +202,6 @@ def write_from_run(run_dir: str, fmt: str = "safetensors", ema: bool = False,
     pretrained=True, pretrained_cfg_overlay=dict(file=PATH, num_classes=K))`` loads (without K in
     the overlay timm drops a classifier whose size is not its pretrained 1000). Returns the
     path."""
-    from twinstep.training.checkpoint import FOLDER, load_state
-
     if fmt not in FORMATS:
         raise UsageError(f"unknown --format {fmt!r}; choose from {', '.join(FORMATS)}")
     if not os.path.isdir(os.path.join(run_dir, FOLDER)):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 ALPHA = 0.05  # the level a difference is called significant at
 Z95 = 1.959963984540054  # the standard normal's 97.5 % quantile: a two-sided 95 % interval
 
@@ -25,8 +27,6 @@ def mcnemar(a, b) -> tuple[int, int, float]:
     runs' per-image hits (bool [n], the same images in the same order): under "neither is
     better" each of the k = only_a + only_b discordant images goes either way with probability
     1/2, and p = min(1, 2 P[X <= min(only_a, only_b)]) for X ~ Binomial(k, 1/2); 1 when k = 0."""
-    import numpy as np
-
     a, b = np.asarray(a, bool), np.asarray(b, bool)
     only_a, only_b = int((a & ~b).sum()), int((b & ~a).sum())
     k, low = only_a + only_b, min(only_a, only_b)
