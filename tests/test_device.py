@@ -253,7 +253,7 @@ def test_the_gpu_decoder_is_asked_for_where_jax_has_a_gpu(tmp_path):
 
     root = write_folder(str(tmp_path / "data"))
     ours = sources.get_source(root, S, "device")
-    assert ours.gpu_decode is False  # JAX runs on the CPU here
+    assert ours.decoder.gpu is False  # JAX runs on the CPU here
     gpu = device.Device((ours.train, ours.val), S, gpu_decode=True)
     aug = sources.Augment(None, None)
     with pytest.raises(BackendError, match="opened no GPU decoder"):

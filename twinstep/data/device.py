@@ -4,23 +4,26 @@ on the devices (docs/training.md#device-loader).
 The host reads a JPEG's bytes and its header, draws every random choice as the Pillow path
 does, from the row's own generator (the crop box, the filter, the flip, RandAugment's ops,
 signs, magnitudes and filters: `twinstep.data.transforms.train_transform`'s order), and
-decodes only the crop boxes, a batch's in one call: nvImageCodec's region decode, on the CPU
-through libjpeg-turbo (bit for bit Pillow's decode, cropped), or through nvJPEG on the GPU
-when the trainer's JAX has one (the crops copied back to the host). It hands the devices the
-crop on a fixed canvas and a plan (`Layout`): Pillow's resize coefficients for that crop, and
-each RandAugment layer's op as numbers. The devices resize and augment
+decodes only the crop boxes, a batch's in one call (`twinstep.data.nvdecode`: nvImageCodec's
+region decode, libjpeg-turbo on the CPU or nvJPEG on the GPU). It hands the devices the crop
+on a fixed canvas and a plan (`Layout`): Pillow's resize coefficients for that crop, and each
+RandAugment layer's op as numbers. The devices resize and augment
 (`twinstep.data.device_ops`, in the step's prepare program) before normalising and mixing.
 A crop larger than the canvas is resized on the host by Pillow (the same pixels).
 
 The val split is decoded by nvImageCodec and resized and cropped by Pillow on the host, as
 the Pillow path's (`twinstep.data.transforms.eval_transform`).
+
+Holds the plan (`Layout`, `resize_table`, `layer_plan`), a row's draws and its placing on
+the canvas, and the loader (`Device`, `make`; `unavailable` is `twinstep.data.nvdecode`'s);
+the decoding, its header read and the replacement of an image that does not decode are
+`twinstep.data.nvdecode`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import math
 from typing import NamedTuple
 
@@ -28,8 +31,7 @@ import numpy as np
 from PIL import Image
 
 from twinstep.data import augment as ra_ops
-from twinstep.data import device_ops, folder, transforms, workers
-from twinstep.errors import BackendError, UsageError
+from twinstep.data import device_ops, folder, nvdecode, transforms, workers
 
 LAYER_WORDS = 787  # kind, lut (3 x 256), coeffs (6 float64), bicubic, fill (3), degenerate,
 # factor
@@ -185,9 +187,6 @@ def _skipped(size: int) -> np.ndarray:
     return words
 
 
-EOI = b"\xff\xd9"  # a JPEG's end-of-image marker
-
-
 class Drawn(NamedTuple):
     """A train row's random choices: crop box (top, left, h, w), filter, flip, RandAugment's
     layers."""
@@ -198,26 +197,6 @@ class Drawn(NamedTuple):
     ops: list
 
 
-class Undecodable(Exception):
-    """An image neither nvImageCodec nor Pillow decodes: replaced by the next of its split."""
-
-
-def unavailable() -> str | None:
-    """None when nvImageCodec imports, else why not (one line)."""
-    try:
-        from nvidia import nvimgcodec  # noqa: F401
-    except ImportError as e:
-        return (f"--loader device needs nvImageCodec: pip install -e '.[nvimgcodec]' in "
-                f"twinstep's clone ({e})")
-    return None
-
-
-def _jax_has_gpu() -> bool:
-    import jax
-
-    return jax.default_backend() == "gpu"
-
-
 def default_canvas(res: int) -> int:
     """The canvas side: 16/7 of S, a multiple of 32 (512 at 224: a 500 x 375 photo's crops)."""
     return 32 * math.ceil(res * 16 / 7 / 32)
@@ -225,8 +204,9 @@ def default_canvas(res: int) -> int:
 
 class Device:
     """A dataset's (train, val) splits (`twinstep.data.sources.FORMATS`) read as JPEG bytes,
-    decoded by nvImageCodec, resized and augmented on the devices: train rows are a canvas
-    [n, C, C, 3] uint8 each (the crop at its top left) and a plan [n, P] (`Layout`)."""
+    decoded by nvImageCodec (``decoder``, a `twinstep.data.nvdecode.Decoder`), resized and
+    augmented on the devices: train rows are a canvas [n, C, C, 3] uint8 each (the crop at its
+    top left) and a plan [n, P] (`Layout`)."""
 
     augments = True
 
@@ -234,115 +214,15 @@ class Device:
                  canvas: int | None = None, gpu_decode: bool | None = None):
         self.train, self.val = splits
         # decode where the trainer computes: nvJPEG when its JAX has a GPU (None: ask JAX)
-        self.gpu_decode = _jax_has_gpu() if gpu_decode is None else gpu_decode
+        self.decoder = nvdecode.Decoder(gpu_decode)
         self.res, self.eval_res = res, eval_res or res
         self.canvas = canvas or default_canvas(res)
         self.classes = len(self.train.classes)
         self.train_labels, self.val_labels = self.train.labels, self.val.labels
-        self._decoder = self._params = None
-
-    def __getstate__(self):
-        return {**self.__dict__, "_decoder": None, "_params": None}
 
     def layout(self, augment) -> Layout:
         """The plan of a row under ``augment`` (`twinstep.data.sources.Augment`)."""
         return Layout(self.res, self.canvas, 2 if augment.randaugment is not None else 0)
-
-    def _decode(self, data: bytes, stream, box: tuple[int, int, int, int] | None = None
-                ) -> np.ndarray:
-        """uint8 [h, w, 3] of the image ``data``, only ``box`` (top, left, h, w) when given: a
-        whole 3-channel JPEG (``stream``, its nvImageCodec code stream) by nvImageCodec, any
-        other image (``stream`` None), or one nvImageCodec refuses, by Pillow as the Pillow
-        path decodes it. `Undecodable` when Pillow refuses it too."""
-        if stream is not None:
-            image = self._nvimgcodec(stream, box)
-            if image is not None:
-                return image
-        try:
-            with Image.open(io.BytesIO(data)) as img:
-                rgb = np.asarray(transforms.to_rgb(img), np.uint8)
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-            raise Undecodable from e
-        if box is None:
-            return rgb
-        top, left, h, w = box
-        return rgb[top:top + h, left:left + w]
-
-    def _nvimgcodec(self, stream, box) -> np.ndarray | None:
-        return self._batch_decode([stream], [box])[0]
-
-    def _batch_decode(self, streams: list, boxes: list) -> list[np.ndarray | None]:
-        """uint8 [h, w, 3] of each code stream (only its ``box`` (top, left, h, w) when one is
-        given), None where nvImageCodec does not decode it: in one batch, on the GPU (nvJPEG)
-        when ``gpu_decode``, else by libjpeg-turbo on one core of this process."""
-        from nvidia import nvimgcodec
-
-        if self._decoder is None:
-            where = {"device_id": 0} if self.gpu_decode else {
-                "device_id": nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
-                "backends": [nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)]}
-            try:  # nvJPEG upsamples chroma as libjpeg-turbo (and so Pillow) does
-                self._decoder = nvimgcodec.Decoder(max_num_cpu_threads=1,
-                                                   options=":fancy_upsampling=1", **where)
-            except RuntimeError as e:
-                raise BackendError(f"nvImageCodec opened no {'GPU' if self.gpu_decode else 'CPU'}"
-                                   f" decoder ({e}); on a GPU it needs nvJPEG: pip install "
-                                   f"'nvidia-nvjpeg>=13'") from None
-            # the pixels as stored, as Pillow and timm read them: no EXIF rotation
-            self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False)
-        regions = []
-        for stream, box in zip(streams, boxes, strict=True):
-            if box is not None:
-                top, left, h, w = box
-                stream = stream.get_sub_code_stream(
-                    region=nvimgcodec.Region(start=(top, left), end=(top + h, left + w)))
-            regions.append(stream)
-        images = self._decoder.decode(regions, params=self._params) if regions else []
-        return [None if image is None else np.asarray(image.cpu()) for image in images]
-
-    @staticmethod
-    def _header(data: bytes):
-        """((width, height), its nvImageCodec code stream when nvImageCodec decodes it — a
-        3-channel JPEG whose data ends at its end-of-image marker —, else None), None when no
-        header reads. A truncated JPEG goes to Pillow, which refuses it whole where a region
-        decode above the cut would succeed."""
-        from nvidia import nvimgcodec
-
-        try:
-            stream = nvimgcodec.CodeStream(data)
-            if (stream.codec_name == "jpeg" and stream.num_channels == 3 and stream.width > 0
-                    and data.endswith(EOI)):
-                return (stream.width, stream.height), stream
-        except (RuntimeError, ValueError):
-            pass
-        try:  # another format or mode: Pillow's, as the Pillow path reads it
-            with Image.open(io.BytesIO(data)) as img:
-                return img.size, None
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
-            return None
-
-    def _decoded(self, split, i: int, make):
-        """(make(bytes, size, code stream or None), index used, skipped): the first image from
-        i on that decodes, as the Pillow path replaces one that does not."""
-        tried = 0
-        while tried < len(split):
-            j, skipped, data, size, stream = self._with_header(split, i + tried)
-            tried += skipped
-            try:
-                return make(data, size, stream), j, tried
-            except Undecodable:
-                tried += 1
-        raise UsageError(f"no image of {len(split)} in this split decodes")
-
-    def _with_header(self, split, i: int):
-        """(index used, skipped, bytes, size, code stream or None): the first image from i on
-        whose header reads."""
-        for tried in range(len(split)):
-            j = (i + tried) % len(split)
-            data = split.encoded(j)
-            if (header := self._header(data)) is not None:
-                return j, tried, data, *header
-        raise UsageError(f"no image of {len(split)} in this split decodes")
 
     def _draw(self, rng: np.random.Generator, size: tuple[int, int],
               randaugment: int | None) -> Drawn:
@@ -379,13 +259,14 @@ class Device:
         """One row alone: its crop written into ``canvas`` [C, C, 3] uint8 (zeros), its plan
         [P] int32 returned."""
         drawn = self._draw(rng, size, randaugment)
-        return self._place(self._decode(data, stream, drawn.box), drawn, layout=layout,
+        return self._place(self.decoder.decode(data, stream, drawn.box), drawn, layout=layout,
                            canvas=canvas)
 
     def train_rows(self, idx, seed, step, row_ids, augment):
         """(canvases [n, C, C, 3] uint8, labels, images skipped per row, plans [n, P]): every
-        row drawn, then their crop boxes decoded in one batch (`_batch_decode`), then placed.
-        A row whose image does not decode is drawn again from the next image, as one alone."""
+        row drawn, then their crop boxes decoded in one batch (`nvdecode.Decoder.batch`), then
+        placed. A row whose image does not decode is drawn again from the next image, as one
+        alone."""
         layout = self.layout(augment)
         # in a loader process, in shared memory: 786 KB a row at 224² reach the trainer uncopied
         canvases = workers.shared_zeros((len(idx), self.canvas, self.canvas, 3), np.uint8)
@@ -396,26 +277,26 @@ class Device:
 
         rows = []  # (index used, skipped, bytes, code stream or None, Drawn)
         for i, row in zip(idx, row_ids, strict=True):
-            j, tried, data, size, stream = self._with_header(self.train, int(i))
+            j, tried, data, size, stream = nvdecode.first_with_header(self.train, int(i))
             rows.append((j, tried, data, stream, self._draw(rng(row), size,
                                                             augment.randaugment)))
         queued = [r for r, row in enumerate(rows) if row[3] is not None]
-        crops = dict(zip(queued, self._batch_decode([rows[r][3] for r in queued],
+        crops = dict(zip(queued, self.decoder.batch([rows[r][3] for r in queued],
                                                     [rows[r][4].box for r in queued]),
                          strict=True))
         labels, skipped = [], []
         for r, (j, tried, data, _, drawn) in enumerate(rows):
             try:
                 crop = crops.get(r)
-                crop = self._decode(data, None, drawn.box) if crop is None else crop
+                crop = self.decoder.decode(data, None, drawn.box) if crop is None else crop
                 plans[r] = self._place(crop, drawn, layout=layout, canvas=canvases[r])
-            except Undecodable:
+            except nvdecode.Undecodable:
                 def make(data, size, stream, row=row_ids[r], canvas=canvases[r]):
                     return self.train_row(data, size, stream, rng=rng(row),
                                           randaugment=augment.randaugment, layout=layout,
                                           canvas=canvas)
 
-                plans[r], j, more = self._decoded(self.train, j + 1, make)
+                plans[r], j, more = nvdecode.first_decoded(self.train, j + 1, make)
                 tried += 1 + more
             labels.append(self.train.labels[j])
             skipped.append(tried)
@@ -425,12 +306,12 @@ class Device:
         """(uint8 [n, E, E, 3], images skipped): timm's eval transform by Pillow of each image
         as nvImageCodec decodes it."""
         def make(data, size, stream):
-            img = Image.fromarray(self._decode(data, stream))
+            img = Image.fromarray(self.decoder.decode(data, stream))
             return transforms.eval_transform(img, self.eval_res, transforms.CROP_PCT)
 
         rows, skipped = [], 0
         for i in idx:
-            row, _, tried = self._decoded(self.val, int(i), make)
+            row, _, tried = nvdecode.first_decoded(self.val, int(i), make)
             rows.append(row)
             skipped += tried
         return np.stack(rows), skipped
@@ -442,3 +323,8 @@ class Device:
 def make(splits, res: int, eval_res: int | None = None) -> Device:
     """The `twinstep.data.sources.Source` of ``splits``."""
     return Device(splits, res, eval_res)
+
+
+# the loader's other half (`twinstep.data.sources.LOADERS`): why it cannot run here, None when
+# nvImageCodec imports
+unavailable = nvdecode.unavailable
