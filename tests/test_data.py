@@ -248,24 +248,51 @@ def _holds(x, marks, i) -> bool:
     return (x[:1 + i % 7] == i + 1).all() and not x[1 + i % 7:].any() and (marks == i).all()
 
 
-def test_loader_workers_reuse_a_block_only_once_no_array_is_over_it():
-    """twinstep.data.workers reuses a shared memory block once the parent holds no array over
-    it: every fifth of 40 items is held to the end and still holds its values (a block handed
-    back while an array is over it would be overwritten); the 40 items of 2 arrays make at most
-    2 x (8 held + 4 in flight + 2) blocks, not 80; a reused block reads as zeros where nothing
-    was written."""
+def _held_to_the_end() -> tuple[list, int]:
+    """`_zeros_item` 0..39 taken one at a time from 2 workers 2 items ahead each, each dropped
+    before the next is asked for, but every fifth, held to the end: (whether each held item
+    still holds its values then, the number of blocks the stream made)."""
     from twinstep.data import workers
 
     before, names, held = _shm_blocks(), set(), []
-    for i, (x, marks) in enumerate(workers.stream(_zeros_item, 0, 40, 2, 2)):
+    items = workers.stream(_zeros_item, 0, 40, 2, 2)
+    for i in range(40):
+        x, marks = next(items)
         names |= _shm_blocks() - before
         assert _holds(x, marks, i)
         if i % 5 == 0:
             held.append((i, x, marks))
         del x, marks
-    assert all(_holds(x, m, i) for i, x, m in held)
-    assert len(names) <= 2 * (len(held) + 2 * 2 + 2), len(names)
+    assert next(items, None) is None  # the end: the stream's blocks are removed
     assert _shm_blocks() == before
+    return [_holds(x, m, i) for i, x, m in held], len(names)
+
+
+def test_loader_workers_reuse_a_block_only_once_no_array_is_over_it(monkeypatch):
+    """twinstep.data.workers reuses a shared memory block once the parent holds no array over
+    it: every fifth of 40 items is held to the end and still holds its values, where a block
+    handed back while an array is over it is overwritten (the control: a parent that hands each
+    block back as soon as it maps it); every block handed back goes with the next task, so the
+    40 items of 2 arrays make 2 x (8 held + 4 in flight) blocks, not 80, however the processes
+    are scheduled; a reused block reads as zeros where nothing was written."""
+    from twinstep.data import workers
+
+    kept, blocks = _held_to_the_end()
+    assert len(kept) == 8 and all(kept)
+    assert blocks == 2 * (len(kept) + 2 * 2), blocks
+    take = workers._take
+
+    def early(part, returns):
+        gone = workers._Returns()
+        gone.free = None  # the array's going hands nothing back...
+        array = take(part, gone)
+        if isinstance(part, tuple) and part[:1] == ("shm",):
+            workers._give_back(returns, part[1])  # ...as it was handed back already
+        return array
+
+    monkeypatch.setattr(workers, "_take", early)
+    kept, _ = _held_to_the_end()
+    assert not any(kept)  # each held item's blocks went with the task sent next
 
 
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:

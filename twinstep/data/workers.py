@@ -6,11 +6,20 @@ this project is measured on, it delivered at most ~36 items a second whatever th
 or the number of workers, below one thread's rate for whole training batches
 (bench/RESULTS.md#data-pipeline). Here a worker writes each array of an item into a shared
 memory block (or builds it there: `shared_zeros`) and sends only the block's name; the parent
-maps it as its array. A block is reused: when the last array over it is gone, the parent hands
+maps it as its array. A block is reused: when the last array over it is gone, the parent takes
 its name back, and a worker builds a later item there, its pages already in memory — a new
 block's pages are faulted in one at a time, which cost the device loader a fifth of its host
 time (docs/training.md#device-loader). A stream's blocks are removed when it ends. Shared memory
 blocks are files under /dev/shm: Linux.
+
+The parent alone keeps the free blocks, and sends them with the next task, in the same message:
+a worker builds an item in the blocks its task came with, makes a new one only where they run
+out, and returns those it did not send with the item. So every block freed before a task was
+sent is there for it, however the processes are scheduled, and the number of blocks follows from
+the order of the consumer's drops and the tasks alone: for items whose arrays keep their sizes,
+per array at most the items the consumer holds plus those in flight. (Names handed back on a
+queue of their own could reach a worker after a later task did, which then made a block more,
+for good: how many, a machine's load decided.)
 
 Every item is a pure function of its index, so which worker builds it cannot change it. A
 worker stops when it is told to, when its parent is gone, or at the parent's next failure; an
@@ -19,6 +28,7 @@ error in a worker is re-raised in the parent with the worker's message.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import glob
 import math
@@ -27,8 +37,9 @@ import multiprocessing
 import os
 import queue
 import secrets
+import signal
 import weakref
-from multiprocessing import resource_tracker
+from multiprocessing import resource_tracker, util
 
 import numpy as np
 
@@ -49,12 +60,12 @@ def stream(make, start: int, stop: int, workers: int, ahead: int):
     processes with at most ``ahead`` items in flight per worker; close it to stop them. ``make``
     must pickle (a module function or a partial of one) and return a tuple."""
     ctx = multiprocessing.get_context("spawn")  # no fork of a process running XLA's threads
-    tasks, done, free = ctx.Queue(), ctx.Queue(), ctx.Queue()  # free: blocks to reuse
+    tasks, done = ctx.Queue(), ctx.Queue()
     prefix = f"{BLOCK_PREFIX}{os.getpid()}_{secrets.token_hex(3)}_"  # this stream's blocks
-    procs = [ctx.Process(target=_work, args=(make, tasks, done, free),
+    procs = [ctx.Process(target=_work, args=(make, tasks, done),
                          kwargs={"parent": os.getpid(), "prefix": prefix}, daemon=True)
              for _ in range(workers)]
-    returns = _Returns(free)
+    returns = _Returns()
     for p in procs:
         p.start()
     ready: dict = {}  # index -> the item's parts, arrays still in shared memory
@@ -62,10 +73,10 @@ def stream(make, start: int, stop: int, workers: int, ahead: int):
     try:
         for i in range(start, stop):
             while sent < stop and sent - i < workers * ahead:
-                tasks.put(sent)
+                tasks.put((sent, returns.take()))  # with every block free now
                 sent += 1
             while i not in ready:
-                j, parts = _receive(done, procs)
+                j, parts = _receive(done, procs, returns)
                 ready[j] = parts
             yield tuple(_take(part, returns) for part in ready.pop(i))
     finally:
@@ -76,7 +87,6 @@ def stream(make, start: int, stop: int, workers: int, ahead: int):
             if p.is_alive():
                 p.terminate()
         returns.free = None  # an array dropped from now on frees its memory with it
-        free.cancel_join_thread()  # names never read: no reason to wait at exit
         _drain(done)
         for path in glob.glob(os.path.join(SHM, f"{prefix}*")):  # arrays still over a block
             _remove(path)  # keep its memory until they go
@@ -91,8 +101,6 @@ def abandon() -> None:
         p.kill()
     for path in glob.glob(os.path.join(SHM, f"{BLOCK_PREFIX}{os.getpid()}_*")):
         _remove(path)
-    from multiprocessing import util
-
     util._exit_function()  # what the interpreter's exit runs; os._exit would skip it
 
 
@@ -104,16 +112,19 @@ def _remove(path: str) -> None:
         resource_tracker.unregister(f"/{os.path.basename(path)}", "shared_memory")
 
 
-def _receive(done, procs) -> tuple[int, list]:
-    """The next finished item (index, parts), raising a worker's error or death."""
+def _receive(done, procs, returns: _Returns) -> tuple[int, list]:
+    """The next finished item (index, parts), raising a worker's error or death; the blocks its
+    worker did not send go back to ``returns``."""
     while True:
         try:
-            j, parts = done.get(timeout=POLL_S)
+            j, parts, unsent = done.get(timeout=POLL_S)
         except queue.Empty:
             dead = [p for p in procs if not p.is_alive()]
             if dead:
                 raise WorkerError(f"a loader worker died (exit code {dead[0].exitcode})") from None
             continue
+        for name in unsent:
+            _give_back(returns, name)
         if isinstance(parts, str):
             raise WorkerError(parts)
         if isinstance(parts, UsageError):
@@ -132,18 +143,26 @@ def _drain(done) -> None:
 
 
 class _Returns:
-    """Where the parent hands back a block no array is over any more: a stream's ``free``
-    queue, None once the stream has ended."""
+    """The parent's free blocks of a stream, names no array is over any more: ``free``, None
+    once the stream has ended. A thread that drops an array (a finalizer) may add to it while
+    the stream takes from it: a deque's append and popleft are atomic."""
 
-    def __init__(self, free):
-        self.free = free
+    def __init__(self):
+        self.free: collections.deque | None = collections.deque()
+
+    def take(self) -> list:
+        """Every block free now, no longer free: a task's to build in."""
+        names, free = [], self.free
+        while free:
+            with contextlib.suppress(IndexError):  # emptied by another thread meanwhile
+                names.append(free.popleft())
+        return names
 
 
 def _give_back(returns: _Returns, name: str) -> None:
     free = returns.free
     if free is not None:
-        with contextlib.suppress(ValueError, OSError):  # the stream closed meanwhile
-            free.put(name)
+        free.append(name)
 
 
 def _take(part, returns: _Returns):
@@ -161,13 +180,12 @@ def _take(part, returns: _Returns):
 
 
 # in a worker: the item it builds (its blocks' prefix), the blocks it has made for that item
-# (their arrays' address -> (name, bytes)), every block it has mapped (name -> mapping), those
-# free to reuse (bytes -> names), and the stream's queue of blocks the parent handed back
+# (their arrays' address -> (name, bytes)), every block it has mapped (name -> mapping), and the
+# blocks its task came with, not used yet (bytes -> names)
 _building: list = []
 _made: dict = {}
 _mapped: dict = {}
 _spare: dict = {}
-_free: list = []
 
 
 def shared_zeros(shape: tuple, dtype) -> np.ndarray:
@@ -183,10 +201,11 @@ def shared_zeros(shape: tuple, dtype) -> np.ndarray:
 
 def _block_array(shape: tuple, dtype: np.dtype) -> tuple[np.ndarray, bool]:
     """(an array over a shared memory block of the item being built, whether the block was
-    used before — else it reads as zeros): a block handed back by the parent of that size when
-    there is one, else a new one."""
+    used before — else it reads as zeros): a block of that size that the item's task came with
+    when there is one, else a new one."""
     size = max(math.prod(shape) * dtype.itemsize, 1)
-    name = _reusable(size)
+    spare = _spare.get(size)
+    name = spare.pop() if spare else None
     reused = name is not None
     if not reused:
         name = f"{_building[0]}{os.getpid()}_{len(_mapped)}"
@@ -202,19 +221,13 @@ def _block_array(shape: tuple, dtype: np.dtype) -> tuple[np.ndarray, bool]:
     return array, reused
 
 
-def _reusable(size: int) -> str | None:
-    """The name of a free block of ``size`` bytes (kept mapped), or None."""
-    spare = _spare.setdefault(size, [])
-    while not spare:
-        try:
-            name = _free[0].get_nowait()
-        except (queue.Empty, OSError, ValueError):
-            return None
-        if name not in _mapped:  # another worker's
+def _lend(names: list) -> None:
+    """Make the free blocks a task came with the item's to build in (each kept mapped)."""
+    for name in names:
+        if name not in _mapped:  # made by another worker, or by this one for an item it sent
             with open(os.path.join(SHM, name), "r+b") as f:
                 _mapped[name] = mmap.mmap(f.fileno(), 0)
         _spare.setdefault(len(_mapped[name]), []).append(name)
-    return spare.pop()
 
 
 def _send(part, sent: set):
@@ -232,19 +245,19 @@ def _send(part, sent: set):
     return "shm", own[0], part.shape, part.dtype.str
 
 
-def _work(make, tasks, done, free, *, parent: int, prefix: str) -> None:
-    """A worker: build the items it is asked for until told to stop or orphaned."""
-    import signal
-
-    _free[:] = [free]
+def _work(make, tasks, done, *, parent: int, prefix: str) -> None:
+    """A worker: build the items it is asked for, each in the free blocks its task came with,
+    until told to stop or orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     while os.getppid() == parent:
         try:
-            i = tasks.get(timeout=POLL_S)
+            task = tasks.get(timeout=POLL_S)
         except queue.Empty:
             continue
-        if i is None:
+        if task is None:
             return
+        i, free = task
+        _lend(free)
         _building[:] = [prefix]
         names: set = set()
         try:
@@ -253,15 +266,16 @@ def _work(make, tasks, done, free, *, parent: int, prefix: str) -> None:
             sent = e
         except Exception as e:  # noqa: BLE001 - the parent re-raises it, in one line
             sent = f"loader worker, item {i}: {type(e).__name__}: {e}"
-        _release(names if isinstance(sent, list) else set())
-        done.put((i, sent))
+        done.put((i, sent, _release(names if isinstance(sent, list) else set())))
 
 
-def _release(sent: set) -> None:
-    """Forget the blocks made for the item just built, keeping those not sent (copied into
-    another array, or the item failed) to reuse; a sent one is the parent's until handed back."""
+def _release(sent: set) -> list:
+    """Forget the blocks of the item just built; those not sent (copied into another array, not
+    used, or the item failed) are returned, for the parent to free; a sent one is the parent's
+    until no array is over it."""
     _building.clear()
-    for name, size in _made.values():
-        if name not in sent:
-            _spare.setdefault(size, []).append(name)
+    unsent = [name for name, _ in _made.values() if name not in sent]
+    unsent += [name for names in _spare.values() for name in names]
     _made.clear()
+    _spare.clear()
+    return unsent
