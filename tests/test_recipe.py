@@ -117,7 +117,11 @@ MALFORMED = [
     ("resnet50in_lambacc1x", "'1x'"),
     ("resnet50in_lambacc04x", "'04x' has a leading zero"),
     ("resnet18in_lamb", "'resnet18in'"),
-    ("resnet50im_lamb", "unknown dataset 'im'"),
+    ("resnet50im_lamb", "unknown net in 'resnet50im'"),  # not resnet50 on a dataset 'im'
+    ("mnv4xin_adam", "unknown net in 'mnv4xin'"),
+    ("mnv4-in_adam", "unknown net in 'mnv4-in'"),
+    ("resnet50_lamb", "missing <data> after 'resnet50'"),
+    ("mnv4224_adam", "missing <data> after 'mnv4'"),
     ("resnet50inlamb", "missing '_'"),
     ("", "empty"),
     ("resnet50in_lambwd", "'wd' needs digits"),
@@ -144,6 +148,69 @@ def test_malformed_names_name_the_token(name, piece):
     prefix = f"bad recipe name {name!r}: "
     assert str(e.value).startswith(prefix)
     assert piece in str(e.value)[len(prefix):]
+
+
+def test_unknown_net_names_the_nets_and_datasets():
+    with pytest.raises(UsageError) as e:
+        parse("mnv4xin_adam")
+    assert str(e.value) == (
+        "bad recipe name 'mnv4xin_adam': unknown net in 'mnv4xin'; expected <net><data>[<res>] "
+        f"with <net> one of: {', '.join(NETS)} and <data> one of: {', '.join(recipes.DATASETS)}")
+
+
+# issue #67's catalogue in the recipe spelling: some names prefix others (mnv4 of mnv4s)
+FUTURE_NETS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "mobilenetv2",
+               "efficientnet", "mnv4", "mnv4s", "mnv4l")
+PREFIX_PAIRS = [(shorter, longer) for shorter in FUTURE_NETS for longer in FUTURE_NETS
+                if longer != shorter and longer.startswith(shorter)]
+BY_LENGTH = sorted(FUTURE_NETS, key=len)
+
+
+def _misread(monkeypatch, nets_in_order) -> list[tuple[str, str]]:
+    """(name, its net or the error) for each name of a prefix pair's nets that does not parse
+    as that net, with twinstep.recipes.NETS the future catalogue in the given order."""
+    monkeypatch.setattr(recipes, "NETS", {n: NETS["mnv4"] for n in nets_in_order})
+    wrong = []
+    for net in sorted({n for pair in PREFIX_PAIRS for n in pair}):
+        for name in (f"{net}in_adam", f"{net}in160_adam"):
+            try:
+                got = parse(name).net
+            except UsageError as e:
+                got = str(e)
+            if got != net:
+                wrong.append((name, got))
+    return wrong
+
+
+@pytest.mark.parametrize("order", [FUTURE_NETS, BY_LENGTH, BY_LENGTH[::-1]],
+                         ids=["catalogue", "shorter-first", "longer-first"])
+def test_longest_net_name_wins_whatever_the_order(monkeypatch, order):
+    assert ("mnv4", "mnv4s") in PREFIX_PAIRS and ("mnv4", "mnv4l") in PREFIX_PAIRS
+    assert _misread(monkeypatch, order) == []
+    with pytest.raises(UsageError) as e:  # a made-up net that a known one prefixes
+        parse("mnv4xin_adam")
+    assert "unknown net in 'mnv4xin'; expected <net><data>[<res>] with <net> one of: " in \
+        str(e.value)
+    assert all(n in str(e.value) for n in FUTURE_NETS)
+
+
+def test_first_prefix_rule_fails_the_check(monkeypatch):
+    """The negative control: the rule before issue #66, the first net in NETS' order that
+    prefixes the name, misreads every longer name of a pair when the shorter comes first."""
+    monkeypatch.setattr(recipes, "_net_of",
+                        lambda head, nets: next((n for n in nets if head.startswith(n)), None))
+    wrong = dict(_misread(monkeypatch, BY_LENGTH))
+    assert set(wrong) == {f"{longer}{rest}" for _, longer in PREFIX_PAIRS
+                          for rest in ("in_adam", "in160_adam")}
+    assert "unknown net in 'mnv4sin'" in wrong["mnv4sin_adam"]
+    assert _misread(monkeypatch, BY_LENGTH[::-1]) == []  # the order hid it
+
+
+def test_grammar_is_built_from_the_step_tokens():
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "recipes.md")).read()
+    assert recipes.GRAMMAR == ("<net><data>[<res>]_[ema]<opt>[acc][dp][<k>x][<N>][wx][clip]"
+                               "[drop][do][bce][ls<a>][wd<d>][bf16]")
+    assert f"\n    {recipes.GRAMMAR}\n" in docs
 
 
 def test_expected_tokens_listed():

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable
 from decimal import Decimal
+from typing import NamedTuple
 
 from twinstep.defaults import BETAS, EMA_DECAY, EMA_WARMUPS, LABEL_SMOOTHING, MOMENTUM
 from twinstep.errors import UsageError
@@ -211,40 +213,50 @@ def _read_decimal(digits: str) -> float:
     return float(digits[0] + "." + digits[1:])
 
 
-# The step tokens after '_', in grammar order: (label, pattern). A name is read by a loop that
-# takes at each position the longest token that matches; it must come later in this list than
-# the one before it.
+class StepToken(NamedTuple):
+    """One token after '_': its label in the grammar and its pattern (group 1: any digits)."""
+
+    label: str
+    pattern: re.Pattern
+    optional: bool = True  # bracketed in GRAMMAR
+
+
+# The step tokens after '_', in grammar order: a new token is one row, and GRAMMAR follows. A
+# name is read by a loop that takes at each position the longest token that matches; it must
+# come later in this list than the one before it.
 STEP_TOKENS = (
-    ("ema", re.compile("ema")),
-    ("<opt>", re.compile("|".join(re.escape(o.token) for o in OPTIMIZERS.values()))),
-    ("acc", re.compile("acc")),
-    ("dp", re.compile("dp")),
-    ("<k>x", re.compile(r"(\d+)x")),
-    ("<N>", re.compile(r"(\d+)")),
-    ("wx", re.compile("wx")),
-    ("clip", re.compile("clip")),
-    ("drop", re.compile("drop")),
-    ("do", re.compile("do")),
-    ("bce", re.compile("bce")),
-    ("ls<a>", re.compile(r"ls(\d*)")),
-    ("wd<d>", re.compile(r"wd(\d*)")),
-    ("bf16", re.compile("bf16")),
+    StepToken("ema", re.compile("ema")),
+    # required but for one exception, 'acc' alone for AdamW (checked in _parse_grammar)
+    StepToken("<opt>", re.compile("|".join(re.escape(o.token) for o in OPTIMIZERS.values())),
+              optional=False),
+    StepToken("acc", re.compile("acc")),
+    StepToken("dp", re.compile("dp")),
+    StepToken("<k>x", re.compile(r"(\d+)x")),
+    StepToken("<N>", re.compile(r"(\d+)")),
+    StepToken("wx", re.compile("wx")),
+    StepToken("clip", re.compile("clip")),
+    StepToken("drop", re.compile("drop")),
+    StepToken("do", re.compile("do")),
+    StepToken("bce", re.compile("bce")),
+    StepToken("ls<a>", re.compile(r"ls(\d*)")),
+    StepToken("wd<d>", re.compile(r"wd(\d*)")),
+    StepToken("bf16", re.compile("bf16")),
 )
 _TOKENS = ", ".join(o.token for o in OPTIMIZERS.values())
-GRAMMAR = ("<net><data>[<res>]_[ema]<opt>[acc][dp][<k>x][<N>][wx][clip][drop][do][bce][ls<a>]"
-           "[wd<d>][bf16]")
+HEAD = "<net><data>[<res>]"  # before the '_'
+GRAMMAR = HEAD + "_" + "".join(f"[{t.label}]" if t.optional else t.label for t in STEP_TOKENS)
 
 
 def _expected(start: int) -> str:
-    labels = [label for label, _ in STEP_TOKENS[start:]]
+    labels = [t.label for t in STEP_TOKENS[start:]]
     return ", ".join(_TOKENS if x == "<opt>" else x for x in labels)
 
 
 def _longest(s: str, pos: int):
     """(index into STEP_TOKENS, match) of the longest token at pos, or None."""
     best = None
-    for j, (_, pattern) in enumerate(STEP_TOKENS):
-        m = pattern.match(s, pos)
+    for j, token in enumerate(STEP_TOKENS):
+        m = token.pattern.match(s, pos)
         if m and (best is None or m.end() > best[1].end()):
             best = (j, m)
     return best
@@ -267,7 +279,7 @@ def _tokenize(name: str, tail: str, after: str) -> dict[str, re.Match]:
             fail(f"unknown token {tail[pos:end]!r} after {after!r}; expected one of: "
                  f"{_expected(nxt)}")
         j, m = hit
-        label = STEP_TOKENS[j][0]
+        label = STEP_TOKENS[j].label
         if j < nxt:
             why = "repeated" if label in found else f"out of order (it goes before {after!r})"
             fail(f"token {m.group()!r} {why}; grammar: {GRAMMAR}")
@@ -289,6 +301,12 @@ def _read_int(name: str, token: str, digits: str) -> int:
     return int(digits)
 
 
+def _net_of(head: str, nets: Iterable[str]) -> str | None:
+    """The net a name's head starts with: the longest of `nets` that prefixes it, whatever their
+    order (a net's name may prefix another's, as mnv4's does mnv4s'); None if none does."""
+    return max((n for n in nets if head.startswith(n)), key=len, default=None)
+
+
 def _parse_grammar(name: str) -> Recipe:
     def fail(msg):
         raise UsageError(f"bad recipe name {name!r}: {msg}")
@@ -298,15 +316,22 @@ def _parse_grammar(name: str) -> Recipe:
     if len(name) > MAX_NAME or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         fail(f"a name is at most {MAX_NAME} ASCII letters, digits, '_', '-' and '.'")
     head, sep, tail = name.partition("_")
-    net = next((n for n in NETS if head.startswith(n)), None)
+    datasets = ", ".join(DATASETS)
+    unknown_net = (f"unknown net in {head!r}; expected {HEAD} with <net> one of: "
+                   f"{', '.join(NETS)} and <data> one of: {datasets}")
+    net = _net_of(head, NETS)
     if net is None:
-        fail(f"unknown net in {head!r}; expected one of: {', '.join(NETS)}")
+        fail(unknown_net)
     if not sep:
-        fail(f"missing '_' after <net><data>[<res>]; expected {GRAMMAR}")
-    m = re.compile("[a-z]*").match(head, len(net))
+        fail(f"missing '_' after {HEAD}; expected {GRAMMAR}")
+    m = re.compile(r"\D*").match(head, len(net))  # <data>: up to <res>'s digits
     dataset, res_digits = m.group(), head[m.end():]
+    if not dataset:
+        fail(f"missing <data> after {net!r}; expected one of: {datasets}")
     if dataset not in DATASETS:
-        fail(f"unknown dataset {dataset!r} after {net!r}; expected one of: {', '.join(DATASETS)}")
+        # a known net's name is the start of one we do not know: 'mnv4xin' is no net of ours,
+        # not mnv4 on a dataset 'xin'
+        fail(unknown_net)
     if res_digits and not res_digits.isdigit():
         fail(f"unknown token {res_digits!r} after {net + dataset!r}; expected <res> digits")
     res = _read_int(name, res_digits, res_digits) if res_digits else None
