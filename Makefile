@@ -3,7 +3,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The GPU's step compiled here, without a GPU (bench/gpu_twin.py, tests/test_gpu_twin.py): Python
+# The GPU's step compiled here, without a GPU (bench/gpu/twin.py, tests/test_gpu_twin.py): Python
 # 3.12 with the JAX the lent GPUs run and its CUDA plugin. Compiling needs no CUDA library, so
 # none is installed (~1 GB against ~4.3 GB with them). pyenv's python3.12 is found where PATH has
 # none.
@@ -141,7 +141,7 @@ $(GPU_VENV)/.installed: pyproject.toml
 	$(GPU_VENV)/bin/python -m pip install -q -e .
 	touch $@
 gpu-twin: $(GPU_VENV)/.installed
-	$(GPU_VENV)/bin/python bench/gpu_twin.py --ab --measured bench/leases/2026-12-05-h100 $(ARGS)
+	$(GPU_VENV)/bin/python bench/gpu/twin.py --ab --measured bench/leases/2026-12-05-h100 $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .hypothesis

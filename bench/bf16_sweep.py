@@ -8,15 +8,15 @@ holds the same matrix (tests/test_tie.py::test_bf16_sweep, ::test_bf16_controls_
                bf16 bound's norm (docs/tie.md#bf16): near 1 the programs differ by the
                partial-sum boundary itself, as they must
 
-With --gpu-levers both programs are built as a GPU's (`twinstep.program.GPU_LEVERS`: cuDNN's
+The levers take `twinstep tie`'s flags (`twinstep.cli.options.levers`, one per field of
+`twinstep.ops.levers.Levers`): with --gpu-levers both programs are built as a GPU's (cuDNN's
 conv paths, symmetric padding, one-pass BN moments) and the table goes to "bf16 tie sweep, a
-GPU's levers"; with --store bf16 too, they store activations and cotangents in bf16
-(docs/precision.md#bf16-storage) and it goes to "bf16 tie sweep, a GPU's levers, stored in
-bf16"; --depthwise-path ties a candidate depthwise lowering (", phased depthwise");
---relu-mask bits keeps each ReLU's mask as bits (", ReLU masks as bits").
+GPU's levers"; a lever's flag ties one candidate with it, the section named as the lever says
+it (--store bf16: ", stored in bf16"; --depthwise-path phased: ", phased depthwise";
+--relu-mask bits: ", ReLU masks as bits").
 
     python bench/bf16_sweep.py [--replicas 2 4 8] [--batches 1 2 3] [--gpu-levers]
-                               [--store bf16] [--depthwise-path PATH] [--relu-mask bits]
+                               [--store bf16] [--depthwise-path PATH] [--relu-mask bits] ...
                                [--nets resnet50 mnv4] [--skip NET@R ...]
 """
 
@@ -26,19 +26,16 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import RESULTS, write_results  # noqa: E402
+from bench.common import RESULTS, write_results
 
 NETS = ("resnet50", "mnv4")
 CONTROLS = ("divisor-plus-one", "unsynced")
 
 
-def _one_r(replicas: int, cases: list, gpu_levers: bool, store: str | None,
-           depthwise_path: str | None, relu_mask: str | None) -> list:
-    """Run ``cases`` [(net, N, res, control)] at R = ``replicas`` in this process."""
+def _one_r(replicas: int, cases: list, levers) -> list:
+    """Run ``cases`` [(net, N, res, control)] at R = ``replicas`` in this process, with
+    ``levers`` (`twinstep.ops.levers.Levers`)."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", replicas)
@@ -47,8 +44,7 @@ def _one_r(replicas: int, cases: list, gpu_levers: bool, store: str | None,
     rows = []
     for net, batch, res, control in cases:
         r = twinstep.tie(net, replicas=replicas, batch=batch, res=res, precision="bf16",
-                         control=control, fast_compile=net == "mnv4", gpu_levers=gpu_levers,
-                         store=store, depthwise_path=depthwise_path, relu_mask=relu_mask)
+                         control=control, fast_compile=net == "mnv4", levers=levers)
         convs = [p for p in r.parameters if len(p["shape"]) == 4]
         rows.append({"net": net, "R": replicas, "N": batch, "res": res, "control": control,
                      "status": r.status, "ok": sum(p["ok"] for p in r.parameters),
@@ -62,18 +58,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3])
-    p.add_argument("--gpu-levers", action="store_true", help="tie with a GPU's levers")
-    p.add_argument("--store", choices=["bf16"], help="store activations and cotangents in bf16")
-    from twinstep.ops.conv import DEPTHWISE_PATHS  # imports jax, initialises no backend
+    from twinstep.cli import options  # imports jax, starts no backend
 
-    p.add_argument("--depthwise-path", choices=DEPTHWISE_PATHS,
-                   help="both programs' depthwise lowering (default: the levers')")
-    p.add_argument("--relu-mask", choices=["bits"], help="keep each ReLU's mask as bits")
+    options.levers(p, "both programs")
     p.add_argument("--nets", nargs="+", choices=NETS, default=list(NETS))
     p.add_argument("--skip", nargs="+", default=[], metavar="NET@R",
                    help="leave NET's ties at R replicas out, listed as skipped")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: one R
     args = p.parse_args()
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    levers = options.chosen_levers(given)
 
     def cases(replicas: int) -> list:
         out = [(net, n, 32, "none") for net in args.nets for n in args.batches]
@@ -84,7 +78,7 @@ def main() -> None:
 
     if args.one is not None:
         _one_r(args.one, [c for c in cases(args.one) if f"{c[0]}@{args.one}" not in args.skip],
-               args.gpu_levers, args.store, args.depthwise_path, args.relu_mask)
+               levers)
         return
     rows = []
     for replicas in args.replicas:
@@ -106,15 +100,10 @@ def main() -> None:
                         if "ok" in r else f"{r['status']} | | |"))
     ties = [r for r in rows if r["control"] == "none"]
     controls = [r for r in rows if r["control"] != "none"]
-    levers = (", a GPU's levers" if args.gpu_levers else "") + (
-        f", stored in {args.store}" if args.store else "") + (
-        f", {args.depthwise_path} depthwise" if args.depthwise_path else "") + (
-        ", ReLU masks as bits" if args.relu_mask else "")
-    flags = " --gpu-levers" * args.gpu_levers + (f" --store {args.store}" if args.store else
-                                                 "") + (
-        f" --depthwise-path {args.depthwise_path}" if args.depthwise_path else "") + (
-        f" --relu-mask {args.relu_mask}" if args.relu_mask else "")
-    write_results(RESULTS, "bf16 tie sweep" + levers,
+    flags = " --gpu-levers" * bool(args.gpu_levers) + "".join(
+        f" --{'no-' * (v is False)}{k.replace('_', '-')}{'' if v in (True, False) else f' {v}'}"
+        for k, v in levers.given().items() if getattr(args, k) is not None)
+    write_results(RESULTS, "bf16 tie sweep" + "".join(f", {d}" for d in [levers.describe()] if d),
                   f"`twinstep tie NET --precision bf16{flags}` "
                   f"(random-bn state, seed 0, K = 10) for {' and '.join(args.nets)} across R "
                   f"and N, and the subtle controls at R = 2, N = 2.",

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check, one script in four parts: `step`, twinstep's bf16 train step of each net at
-# 224² on one device (img/s, MFU; bench/gpu_step.py); `hlo`, whether XLA kept the bf16
-# convolutions bf16 (bench/gpu_bf16_hlo.py); `train`, `twinstep train` end to end on generated
-# JPEGs and their packed copy through Pillow (img/s, data vs step; bench/gpu_train.py);
+# 224² on one device (img/s, MFU; bench/gpu/step.py); `hlo`, whether XLA kept the bf16
+# convolutions bf16 (bench/gpu/bf16_hlo.py); `train`, `twinstep train` end to end on generated
+# JPEGs and their packed copy through Pillow (img/s, data vs step; bench/gpu/train.py);
 # `feed`, the device loader (`--loader device`): its host's and its GPU's shares alone
-# (bench/gpu_feed.py), then ResNet-50 trained through it and through Pillow with RandAugment m9
-# (bench/gpu_train.py); `profile`, where each net's step spends its time at batch 512 (kernel
-# time by category, the top 40 kernels, bandwidth, useful MFU; bench/gpu_profile.py, each net
+# (bench/gpu/feed.py), then ResNet-50 trained through it and through Pillow with RandAugment m9
+# (bench/gpu/train.py); `profile`, where each net's step spends its time at batch 512 (kernel
+# time by category, the top 40 kernels, bandwidth, useful MFU; bench/gpu/kernel_profile.py, each net
 # in a process of its own). XLA's autotuning results are kept in bench/autotune/, which starts
 # from the newest bench/leases/*/autotune.tgz, and written to $OUT/autotune.tgz for the next
 # lease. Needs no network.
@@ -26,7 +26,8 @@
 # JAX with CUDA: the python3 on PATH (or $PY) is used as it is when its JAX sees a GPU; else the
 # [cuda] extra is installed, from wheels in ./.wheels when that folder exists (no network needed:
 # `pip download 'jax[cuda12]>=0.10.2,<0.11' -d .wheels` on a machine that has one), else from the
-# package index. twinstep itself runs from this checkout (PYTHONPATH), not installed. When the
+# package index. twinstep itself runs from this checkout (PYTHONPATH), not installed, as does
+# the `bench` package the scripts import their neighbours from (bench/gpu/). When the
 # machine's JAX sees a GPU but twinstep's other dependencies are missing (an offline machine
 # with its own JAX), the wheels in ./.wheels other than JAX's are unpacked into a private folder
 # put on PYTHONPATH, the machine's JAX left as it is; on 2026-12-04 an H200 machine needed
@@ -40,7 +41,7 @@
 #     'nvidia-nvimgcodec-cu13>=0.9,<0.10' 'nvidia-nvjpeg>=13,<14'
 # The loader processes decode on the GPU, each with a CUDA context of its own: the feed part
 # leaves them 40 % of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 for JAX).
-# Its CPU twin: `python bench/gpu_feed.py --res 64 --batch 32 --images 64 --workers 2` here.
+# Its CPU twin: `python bench/gpu/feed.py --res 64 --batch 32 --images 64 --workers 2` here.
 # Results: bench/gpu_step.json, bench/gpu_train.json (and the optimized HLO in bench/hlo/), or
 # under $OUT/ when $OUT
 # is set; their numbers (img/s and MFU per net, the bf16 check's verdict) belong under the
@@ -101,16 +102,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 step=0 bf16=0 train=0
 if [[ $parts == *" step "* ]]; then
     # shellcheck disable=SC2086 # the arguments are words
-    timeout 360 "$PY" bench/gpu_step.py --nets "${nets[@]}" --json "$out/gpu_step.json" \
+    timeout 360 "$PY" bench/gpu/step.py --nets "${nets[@]}" --json "$out/gpu_step.json" \
         ${STEP_ARGS:-}
     step=$?
 fi
 if [[ $parts == *" hlo "* ]]; then
-    timeout 150 "$PY" bench/gpu_bf16_hlo.py --nets "${nets[@]}" --hlo-dir "$out/hlo"
+    timeout 150 "$PY" bench/gpu/bf16_hlo.py --nets "${nets[@]}" --hlo-dir "$out/hlo"
     bf16=$?
 fi
 if [[ $parts == *" train "* ]]; then
-    timeout 300 "$PY" bench/gpu_train.py --nets "${nets[@]}" --json "$out/gpu_train.json" \
+    timeout 300 "$PY" bench/gpu/train.py --nets "${nets[@]}" --json "$out/gpu_train.json" \
         --paths pillow pillow-packed
     train=$?
 fi
@@ -125,9 +126,9 @@ if [[ $parts == *" feed "* ]]; then
     fi
     if "$PY" -c 'import nvidia.nvimgcodec' 2>/dev/null; then
         export XLA_PYTHON_CLIENT_MEM_FRACTION=0.6
-        timeout 200 "$PY" bench/gpu_feed.py --json "$out/gpu_feed.json"
+        timeout 200 "$PY" bench/gpu/feed.py --json "$out/gpu_feed.json"
         feed=$?
-        timeout 300 "$PY" bench/gpu_train.py --nets resnet50 --paths device pillow \
+        timeout 300 "$PY" bench/gpu/train.py --nets resnet50 --paths device pillow \
             --randaugment 9 --json "$out/gpu_train_feed.json" || feed=3
     else
         echo "gpu.sh: nvImageCodec does not import here: no feed timing" >&2
@@ -142,13 +143,13 @@ if [[ $parts == *" profile "* ]]; then
         read -r net res limit extra <<< "$run"
         [[ " ${nets[*]} " == *" $net "* ]] || continue
         # shellcheck disable=SC2086 # the extra arguments are words
-        timeout $((limit + 20)) "$PY" bench/gpu_profile.py --nets "$net" --res "$res" \
+        timeout $((limit + 20)) "$PY" bench/gpu/kernel_profile.py --nets "$net" --res "$res" \
             --out "$out/profile" --limit "$limit" $extra || profile=3
     done
 fi
 # the autotuning results, to be committed as bench/leases/<date>-<card>/autotune.tgz
 [ -n "${OUT:-}" ] && tar -czf "$OUT/autotune.tgz" -C bench autotune 2> /dev/null
-echo "gpu.sh:${parts}: gpu_step exit $step, gpu_bf16_hlo exit $bf16, gpu_train exit $train," \
+echo "gpu.sh:${parts}: step exit $step, hlo exit $bf16, train exit $train," \
     "feed exit $feed, profile exit $profile"
 [ "$step" -eq 0 ] && [ "$bf16" -eq 0 ] && [ "$train" -eq 0 ] && [ "$feed" -eq 0 ] &&
     [ "$profile" -eq 0 ] && exit 0

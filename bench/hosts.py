@@ -21,11 +21,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import RESULTS, write_results  # noqa: E402
+from bench.common import RESULTS, write_results
 
 
 def step_seconds(cmd: list[str], run_dir: str, rows: int, env: dict) -> float:

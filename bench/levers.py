@@ -23,17 +23,15 @@ import argparse
 import dataclasses
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from common import RESULTS, block, interleaved_times, paired_ratio, write_results  # noqa: E402
-
-from twinstep import dp, program, recipes  # noqa: E402
-from twinstep.nets import get_net, layers  # noqa: E402
+from bench.common import RESULTS, block, interleaved_times, paired_ratio, write_results
+from twinstep import dp, program, recipes
+from twinstep.nets import get_net, layers
+from twinstep.ops.levers import Levers
 
 VARIANTS = {  # name: (XLA compiler options, donate the state, dense conv path, shard optimizer)
     "default (donated)": ({}, True, None, True),
@@ -70,7 +68,8 @@ def variants(name: str, res: int, replicas: int, global_batch: int, classes: int
     fns = {}
     for label, (options, donate, dense_path, shard_optimizer) in (
             {} if sync_bn_only else VARIANTS).items():
-        setup = program.Setup(replicas, "f32", dense_path=dense_path)
+        setup = program.Setup(replicas=replicas, precision="f32",
+                              levers=Levers(dense_path=dense_path))
         made = program.train_program(net, recipe, setup, classes=classes, donate=donate,
                                      shard_optimizer=shard_optimizer)
         # a copy for each variant: a donated state frees its arrays, the originals included
@@ -91,8 +90,8 @@ def variants(name: str, res: int, replicas: int, global_batch: int, classes: int
     # sync-BN's cost: the gradient step with BN synchronised vs per-replica (`unsynced`)
     p, b = dp.replicate((params, layers.init_buffers(shapes)), replicas)
     for control in ("none", "unsynced"):
-        grad = program.grad_program(net, program.Setup(replicas, "f32", control), loss="ce",
-                                    per_replica=True)
+        setup = program.Setup(replicas=replicas, precision="f32", control=control)
+        grad = program.grad_program(net, setup, loss="ce", per_replica=True)
         for suffix, options in GRAD_STEP_OPTIONS.items():
             compiled = grad.lower(p, b, xs[0], ts[0]).compile(compiler_options=options)
             fns[grad_label(control == "none", suffix)] = (

@@ -35,12 +35,10 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-from common import RESULTS, machine_load, write_results  # noqa: E402
+from bench.common import RESULTS, machine_load, write_results
 
 ROWS = 32  # images per batch
 RES = 224

@@ -33,8 +33,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 
 def _args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -58,20 +56,20 @@ ARGS = _args() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.xla_flags:  # before JAX starts
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + ARGS.xla_flags).strip()
 
-import flax_peer  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import torch  # noqa: E402
-from common import (  # noqa: E402
+
+from bench import flax_peer  # noqa: E402
+from bench.common import (  # noqa: E402
     RESULTS,
     block,
     interleaved_times,
     paired_ratio,
     write_results,
 )
-
 from twinstep import dp, optim, program, recipes  # noqa: E402
 from twinstep.checking import parity  # noqa: E402
 from twinstep.nets import get_net, layers  # noqa: E402
@@ -147,8 +145,8 @@ def peers(name: str, res: int, replicas: int, global_batch: int, classes: int) -
     t = np.eye(classes, dtype=np.float32)[labels]
     out = {}
 
-    made = program.train_program(net, recipe, program.Setup(replicas, "f32"), classes=classes,
-                                 donate=True)
+    made = program.train_program(net, recipe, program.Setup(replicas=replicas, precision="f32"),
+                                 classes=classes, donate=True)
     # a copy: the step donates its state, which must not free the arrays the peers start from
     state = made.place(made.init(*jax.tree.map(jnp.copy, (params, buffers))))
     args = (jnp.asarray(x[None]), jnp.asarray(t[None]), jax.random.key(1))

@@ -32,11 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import RESULTS, machine_load, write_results  # noqa: E402
+from bench.common import RESULTS, machine_load, write_results
 
 TRAIN = ["train", "mnv4in_adamdp4", "--replicas", "2", "--res", "32", "--steps", "6",
          "--ckpt-every", "4", "--eval-every", "100", "--log-every", "2"]

@@ -32,12 +32,12 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from common import RESULTS, write_results  # noqa: E402
+from bench.common import RESULTS, write_results
 
 LOG_EVERY = 10
+# tests/, where the timm side imports timm_recipe from (with its neighbours, by their bare
+# names, as pytest imports them): on that process's PYTHONPATH
+TESTS = Path(__file__).resolve().parents[1] / "tests"
 
 
 def write_digits(root: str) -> None:
@@ -142,7 +142,7 @@ def timm_side(args) -> None:
     """The torch loop (run as ``--side timm``): writes {"img_s", "top1", "top5"} to --json."""
     import timm
     import timm.data
-    import timm_recipe
+    import timm_recipe  # from TESTS, on this process's PYTHONPATH
     import torch
 
     from twinstep.training import state_dict
@@ -278,7 +278,9 @@ def main() -> None:
                            str(res), "--steps", str(args.steps), "--workers",
                            str(args.workers), "--seed", str(args.seed), "--weights", weights,
                            "--timm-name", timm_name,
-                           "--json", report])
+                           "--json", report],
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])})
             rows.append({"res": res, "side": "timm", "shape": f"1 x {args.batch}", **ran,
                          **json.loads(Path(report).read_text())})
         command = "python bench/timm_train.py " + " ".join(sys.argv[1:])

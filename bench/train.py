@@ -20,11 +20,8 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import RESULTS, write_results  # noqa: E402
+from bench.common import RESULTS, write_results
 
 
 def loop_overhead(args) -> str:

@@ -21,8 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
-
 
 def _args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -41,8 +39,8 @@ def main(args) -> None:
     jax.config.update("jax_enable_x64", args.precision == "f64")
     import numpy as np
     import orbax.checkpoint as ocp
-    from common import PROBE_RESULTS, probe_decision, write_results
 
+    from bench.common import PROBE_RESULTS, probe_decision, write_results
     from twinstep import api, dp, program, recipes
     from twinstep.nets import get_net, layers
     from twinstep.ops.precision import get_precision
@@ -52,8 +50,8 @@ def main(args) -> None:
     recipe = recipes.parse(args.recipe)
     net, dtype = get_net(recipe.net), get_precision(args.precision).dtype
     shapes = net.param_shapes(10)
-    made = program.train_program(net, recipe, program.Setup(args.replicas, args.precision),
-                                 classes=10)
+    setup = program.Setup(replicas=args.replicas, precision=args.precision)
+    made = program.train_program(net, recipe, setup, classes=10)
     state = made.init(layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(), dtype,
                                          linear=net.LINEAR_INIT),
                       layers.init_buffers(shapes, dtype))

@@ -31,9 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 VARIANTS = ("compile only", "compiled at step 1", "cold", "warm")
 
@@ -56,9 +53,9 @@ def _compile_only(args) -> dict:
     cfg = TrainConfig(args.recipe, "unused", replicas=args.replicas, batch=args.batch,
                       res=args.res, steps=args.steps)
     recipe = cfg.parsed_recipe()
-    prog = program.train_program(get_net(recipe.net), recipe, program.Setup(args.replicas),
+    prog = program.train_program(get_net(recipe.net), recipe, program.Setup(replicas=args.replicas),
                                  classes=10)
-    compiled = program.compile_step(prog, program.Setup(args.replicas),
+    compiled = program.compile_step(prog, program.Setup(replicas=args.replicas),
                                     micro=(recipe.accum, cfg.rows), res=args.res, classes=10)
     rss, peak = _mib()
     m = compiled.memory_analysis()  # per device; the outputs alias the donated arguments
@@ -100,7 +97,7 @@ def _variant(args) -> dict:
 
 
 def main() -> None:
-    from common import PROBE_RESULTS, probe_decision, write_results
+    from bench.common import PROBE_RESULTS, probe_decision, write_results
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="mnv4in_adamdp16")

@@ -24,16 +24,15 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+from twinstep.ops.levers import Levers  # imports JAX, starts no backend
 
 FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
 # variant: XLA_FLAGS for its process ("" leaves the flag to twinstep)
 VARIANTS = {"concurrency-optimised (XLA's default)": f"--{FLAG}=true",
             "memory-minimising (twinstep's)": ""}
 # (net, the tie's settings beyond R, N and the resolution)
-PROGRAMS = (("mnv4", {"precision": "bf16", "gpu_levers": True, "fast_compile": True}),
+PROGRAMS = (("mnv4", {"precision": "bf16", "levers": Levers.of("gpu"), "fast_compile": True}),
             ("resnet50", {"precision": "bf16"}))
 
 
@@ -66,7 +65,7 @@ def _measure(args) -> dict:
 
 
 def main() -> None:
-    from common import PROBE_RESULTS, probe_decision, write_results
+    from bench.common import PROBE_RESULTS, probe_decision, write_results
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=2)

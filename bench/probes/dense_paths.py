@@ -8,15 +8,12 @@ forward + both VJPs, on ResNet-50's 53 convolutions at its shapes for a given in
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from common import (  # noqa: E402
+from bench.common import (
     PROBE_RESULTS,
     block,
     interleaved_medians,
@@ -24,10 +21,10 @@ from common import (  # noqa: E402
     probe_decision,
     write_results,
 )
-
-from twinstep.nets import get_net  # noqa: E402
-from twinstep.ops import conv  # noqa: E402
-from twinstep.ops.precision import get_precision  # noqa: E402
+from twinstep.nets import get_net
+from twinstep.ops import conv
+from twinstep.ops.levers import Levers
+from twinstep.ops.precision import get_precision
 
 
 def resnet50_convs(res: int) -> list[tuple[str, int, int]]:
@@ -65,7 +62,8 @@ def main():
         ws = [jnp.asarray(rng.standard_normal(shapes[n]) / np.sqrt(np.prod(shapes[n][1:])),
                           jnp.float32) for n, _, _ in convs]
         strides = [s for _, s, _ in convs]
-        fns = {p: op_chain(lambda x, w, s, p=p: conv.conv2d_forward(x, w, s, precision, p),
+        fns = {p: op_chain(lambda x, w, s, p=p: conv.conv2d_forward(x, w, s, precision, path=p,
+                                                                    crop_unread=True),
                            conv.conv2d_vjp, strides) for p in conv.DENSE_PATHS}
         med = interleaved_medians({p: (lambda f=f, xs=xs, ws=ws: block(f(xs, ws)))
                                    for p, f in fns.items()}, runs=args.runs)
@@ -79,7 +77,7 @@ def main():
                   f"python bench/probes/dense_paths.py --res {' '.join(map(str, args.res))} "
                   f"--batch {args.batch} --runs {args.runs} --precision {args.precision}", table,
                   f"Platform default on {jax.default_backend()}: "
-                  f"{conv.default_dense_path()}.")
+                  f"{Levers().on().dense_path}.")
 
 
 if __name__ == "__main__":

@@ -9,15 +9,12 @@ small input.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from common import (  # noqa: E402
+from bench.common import (
     PROBE_RESULTS,
     block,
     interleaved_medians,
@@ -25,9 +22,9 @@ from common import (  # noqa: E402
     probe_decision,
     write_results,
 )
-
-from twinstep.ops import conv  # noqa: E402
-from twinstep.ops.precision import get_precision  # noqa: E402
+from twinstep.ops import conv
+from twinstep.ops.levers import Levers
+from twinstep.ops.precision import get_precision
 
 # (channels, kernel, stride, grid divisor): MNv4-Conv-M's start / middle depthwise layers of a
 # few representative rows, the grid given as input resolution // divisor.
@@ -49,7 +46,8 @@ def main():
           for c, _, _, d in LAYERS]
     ws = [jnp.asarray(rng.standard_normal((c, 1, k, k)), jnp.float32) for c, k, _, _ in LAYERS]
     strides = [s for _, _, s, _ in LAYERS]
-    fns = {p: op_chain(lambda x, w, s, p=p: conv.depthwise_forward(x, w, s, precision, p),
+    fns = {p: op_chain(lambda x, w, s, p=p: conv.depthwise_forward(x, w, s, precision, path=p,
+                                                                       crop_unread=True),
                        conv.depthwise_vjp, strides) for p in conv.DEPTHWISE_PATHS}
     compiled = {p: (lambda f=f: block(f(xs, ws))) for p, f in fns.items()}
     med = interleaved_medians(compiled, runs=args.runs)
@@ -62,7 +60,7 @@ def main():
                   f"python bench/probes/depthwise.py --res {args.res} --batch {args.batch} "
                   f"--runs {args.runs} --precision {args.precision}", table,
                   f"Platform default on {jax.default_backend()}: "
-                  f"{conv.default_depthwise_path()}.")
+                  f"{Levers().on().depthwise_path}.")
 
 
 if __name__ == "__main__":

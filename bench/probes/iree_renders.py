@@ -14,16 +14,13 @@ import argparse
 import math
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+import numpy as np
 
-import numpy as np  # noqa: E402
-from common import PROBE_RESULTS, probe_decision, write_results  # noqa: E402
-from iree_step import CLASSES, inputs  # noqa: E402
-
-from twinstep.errors import BackendError  # noqa: E402
-from twinstep.rendering import iree, render  # noqa: E402
+from bench.common import PROBE_RESULTS, probe_decision, write_results
+from bench.probes.iree_step import CLASSES, inputs
+from twinstep.errors import BackendError
+from twinstep.rendering import iree, render
 
 RES = 32
 

@@ -15,25 +15,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from common import (  # noqa: E402
+from bench.common import (
     PROBE_RESULTS,
     block,
     interleaved_medians,
     probe_decision,
     write_results,
 )
-
-from twinstep import program, recipes  # noqa: E402
-from twinstep.checking import inputs as tie_inputs  # noqa: E402
-from twinstep.nets import get_net, layers  # noqa: E402
-from twinstep.ops.precision import get_precision  # noqa: E402
-from twinstep.rendering import iree, render  # noqa: E402
+from twinstep import program, recipes
+from twinstep.checking import inputs as tie_inputs
+from twinstep.nets import get_net, layers
+from twinstep.ops.precision import get_precision
+from twinstep.rendering import iree, render
 
 CLASSES = 1000
 

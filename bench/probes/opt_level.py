@@ -14,11 +14,8 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
-
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_enable_x64", True)
 
@@ -27,14 +24,14 @@ from twinstep import dp  # noqa: E402
 dp.ensure_devices(4)  # train_programs builds the R = 4 replica program too (not compiled here)
 
 import numpy as np  # noqa: E402
-from common import (  # noqa: E402
+
+from bench.common import (  # noqa: E402
     PROBE_RESULTS,
     block,
     interleaved_medians,
     probe_decision,
     write_results,
 )
-
 from twinstep import recipes  # noqa: E402
 from twinstep.checking import inputs, tie, trajectory  # noqa: E402
 from twinstep.nets import NETS, get_net  # noqa: E402

@@ -13,23 +13,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from common import (  # noqa: E402
+from bench.common import (
     PROBE_RESULTS,
     block,
     interleaved_medians,
     probe_decision,
     write_results,
 )
-
-from twinstep import program, recipes, step  # noqa: E402
-from twinstep.nets import get_net, layers  # noqa: E402
+from twinstep import program, recipes, step
+from twinstep.nets import get_net, layers
 
 CLASSES = 1000
 

@@ -11,26 +11,24 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from common import (  # noqa: E402
+from bench.common import (
     PROBE_RESULTS,
     block,
     interleaved_medians,
     probe_decision,
     write_results,
 )
-
-from twinstep import program  # noqa: E402
+from twinstep import program
 from twinstep.checking import parity
-from twinstep.nets import NETS, layers  # noqa: E402
-from twinstep.ops import loss  # noqa: E402
+from twinstep.nets import NETS, layers
+from twinstep.ops import loss
+from twinstep.ops.levers import Levers
 
 K = 10
 
@@ -44,11 +42,11 @@ def peers(net, res, batch, depthwise_path=None):
     labels = rng.integers(0, K, batch)
     t = jnp.asarray(np.eye(K, dtype=np.float32)[labels])
     xj = jnp.asarray(x)
-    ctx = layers.Ctx(depthwise_path=depthwise_path)
+    ctx = layers.Ctx(levers=Levers(depthwise_path=depthwise_path).on())
     # twinstep's step at one device: forward, loss, the explicit backward chain (+ the running
     # statistics' update and the loss value, which the peers skip)
-    explicit = program.grad_program(net, program.Setup(depthwise_path=depthwise_path),
-                                    loss="ce")
+    setup = program.Setup(levers=Levers(depthwise_path=depthwise_path))
+    explicit = program.grad_program(net, setup, loss="ce")
 
     @jax.jit
     def autodiff(p):
@@ -68,7 +66,7 @@ def peers(net, res, batch, depthwise_path=None):
     if net.NAME == "mnv4":
         # The same chain with feature_group_count depthwise convs: the path XLA:CPU runs slowly
         # (docs/platform.md).
-        grouped = program.grad_program(net, program.Setup(depthwise_path="grouped"),
+        grouped = program.grad_program(net, program.Setup(levers=Levers(depthwise_path="grouped")),
                                        loss="ce")
         fns["explicit chain, grouped depthwise"] = lambda: block(
             grouped(params, buffers, xj, t).grads)

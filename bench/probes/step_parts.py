@@ -14,24 +14,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, flax_peer
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from common import (  # noqa: E402
+from bench.common import (
     PROBE_RESULTS,
     block,
     interleaved_medians,
     probe_decision,
     write_results,
 )
-
-from twinstep import dp, optim, program, recipes, step  # noqa: E402
-from twinstep.nets import get_net, layers  # noqa: E402
+from twinstep import dp, optim, program, recipes, step
+from twinstep.nets import get_net, layers
 
 CLASSES = 1000
 
@@ -48,7 +45,8 @@ def _stepper(compiled, state, *args):
 
 
 def parts(name: str, res: int, batch: int) -> dict:
-    import flax_peer  # the [bench] extra's Flax: imported here, so that --help needs none
+    # the [bench] extra's Flax: imported here, so that --help needs none
+    from bench import flax_peer
 
     net = get_net(name)
     shapes = net.param_shapes(CLASSES)

@@ -3,7 +3,7 @@ data path, and where the time goes.
 
 A folder of generated 500 x 375 JPEGs (bench/loader.py's, ImageNet-sized) and its packed copy
 (`twinstep pack`) are trained on at --res with the recipe ``<net>in_adamdp<N>bf16`` (bf16
-convolutions, as bench/gpu_step.py), with --randaugment M when given, through four data paths:
+convolutions, as bench/gpu/step.py), with --randaugment M when given, through four data paths:
 Pillow from the folder and from the packed copy, the device loader from each (`--loader
 device`: the resize and RandAugment on the GPU).
 For each, three rates:
@@ -21,7 +21,7 @@ a path that fails prints its error and the others still run (exit 3).
 On a machine without a GPU it runs too (its CPU twin, at a small --res): `make test` does not run
 it, tests/test_device.py holds the device loader on CPU.
 
-    python bench/gpu_train.py [--nets resnet50 mnv4] [--res 224] [--batch 256] [--steps 160]
+    python bench/gpu/train.py [--nets resnet50 mnv4] [--res 224] [--batch 256] [--steps 160]
                               [--images 1024] [--workers W] [--json bench/gpu_train.json]
 """
 
@@ -36,9 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from loader import write_folder  # noqa: E402
+from bench.loader import write_folder
 
 PATHS = {"pillow": ("pillow", False), "pillow-packed": ("pillow", True),
          "device": ("device", False), "device-packed": ("device", True)}  # name: (loader, packed)
@@ -48,7 +46,7 @@ def data_rate(data: str, kind: str, recipe: str, res: int, workers: int, steps: 
               randaugment: int | None = None) -> float:
     """img/s of the loader alone over its last quarter of batches, with the recipe's
     augmentation: by then its workers have started and drained what they built ahead. The
-    device loader's is its host share (its devices' share: bench/gpu_feed.py)."""
+    device loader's is its host share (its devices' share: bench/gpu/feed.py)."""
     from twinstep import recipes
     from twinstep.data import loader, mix, sources
 
@@ -97,7 +95,7 @@ def main() -> int:
                    help="RandAugment rand-mM-mstd0.5-inc1 (default: none, as the recipe)")
     p.add_argument("--workers", type=int, default=os.cpu_count(),
                    help="loader processes (default: every core)")
-    p.add_argument("--json", default=str(Path(__file__).with_name("gpu_train.json")))
+    p.add_argument("--json", default=str(Path(__file__).resolve().parents[1] / "gpu_train.json"))
     args = p.parse_args()
     import jax
 

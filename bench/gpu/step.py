@@ -15,12 +15,12 @@ first lease reported as MFU. Steps are timed in one window blocked once at its e
 trainer runs them (it blocks only at a log or checkpoint step). --recipe-res adds a row per
 net at its recipe's own train resolution (MobileNetV4-Conv-M: 256²).
 
-    python bench/gpu_step.py [--nets resnet50 mnv4] [--res 224] [--steps 30] [--batch N]
+    python bench/gpu/step.py [--nets resnet50 mnv4] [--res 224] [--steps 30] [--batch N]
                              [--recipe-res] [--peak-tflops 989]
 
-Prints one line per net and writes bench/gpu_step.json beside itself (or --json PATH) after
-each net. Exit 0 when it ran, 2 without a GPU, 3 when a net failed (its error is printed and
-the other nets still run).
+Prints one line per net and writes bench/gpu_step.json (or --json PATH) after each net. Exit 0
+when it ran, 2 without a GPU, 3 when a net failed (its error is printed and the other nets still
+run).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import numpy as np
 
 from twinstep import program, recipes
 from twinstep.nets import get_net, layers
-from twinstep.ops import conv
+from twinstep.ops.levers import Levers
 from twinstep.rendering import render, stablehlo
 
 # H200 SXM (as H100 SXM): 989.4 dense bf16 TFLOP/s, NVIDIA's datasheet figure without sparsity
@@ -51,11 +51,11 @@ GOALS = {"resnet50": 8000, "mnv4": 15000}  # img/s on one H200 (issue 16)
 def build(net_name: str, batch: int, res: int, classes: int, options: dict | None = None,
           **levers):
     """(compiled step, its arguments, {"macs", "useful_macs"} per step) at ``batch`` examples
-    of ``res``²; ``options``: XLA compiler options for this compile only; ``levers``: fields of
-    `twinstep.program.Setup` other than the bf16 precision (crop_unread, bn_moments, ...)."""
+    of ``res``²; ``options``: XLA compiler options for this compile only; ``levers``: the
+    `twinstep.ops.levers.Levers` set over the platform's (crop_unread, store, ...)."""
     recipe = dataclasses.replace(recipes.parse(f"{net_name}in_adamdpbf16"), batch=batch)
     net = get_net(net_name)
-    setup = program.Setup(precision="bf16", **levers)
+    setup = program.Setup(precision="bf16", levers=Levers(**levers))
     made = program.train_program(net, recipe, setup, classes=classes, donate=True)
     shapes = net.param_shapes(classes)
     params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
@@ -67,8 +67,8 @@ def build(net_name: str, batch: int, res: int, classes: int, options: dict | Non
     key = jax.random.key(1)
     lowered = made.step.lower(state, xs, ts, key)
     text = lowered.as_text()
-    if conv.default_dense_path() != "conv":  # counted as a GPU's program computes it
-        gpu = program.Setup(precision="bf16", **program.GPU_LEVERS)
+    if Levers().on().dense_path != "conv":  # counted as a GPU's program computes it
+        gpu = program.Setup(precision="bf16", levers=Levers.of("gpu"))
         text = program.train_program(net, recipe, gpu, classes=classes).step.lower(
             state, xs, ts, key).as_text()
     macs = {"macs": stablehlo.macs(text), "useful_macs": stablehlo.macs(text, useful=True)}
@@ -153,7 +153,8 @@ def main(argv=None) -> int:
                    help="the device's dense bf16 peak, for MFU (default: H200's)")
     p.add_argument("--recipe-res", action="store_true",
                    help="also each net at its recipe's own train resolution")
-    p.add_argument("--json", type=Path, default=Path(__file__).with_name("gpu_step.json"))
+    p.add_argument("--json", type=Path,
+                   default=Path(__file__).resolve().parents[1] / "gpu_step.json")
     args = p.parse_args(argv)
     if render.local_platform() not in ("cuda", "rocm"):
         print(f"no GPU: JAX runs on {jax.default_backend()}", file=sys.stderr)

@@ -10,7 +10,7 @@ the StableHLO — so a compile that upcast some, or a reader that found none, fa
 classifier's GEMM is f32 by the policy and is listed, not counted. cuDNN fusions that XLA names
 only in backend_config are not recognised: they would show up as missing convolutions.
 
-    python bench/gpu_bf16_hlo.py [--nets resnet50 mnv4] [--hlo-dir DIR]
+    python bench/gpu/bf16_hlo.py [--nets resnet50 mnv4] [--hlo-dir DIR]
 
 Exit 0 when every convolution is bf16, 1 when one is not, 2 without a GPU.
 """

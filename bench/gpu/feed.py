@@ -19,7 +19,7 @@ RandAugment m9 and mixup / CutMix:
 Writes JSON (--json). On a machine without a GPU it runs too, as its CPU twin (small --res and
 --batch): there the devices are the same cores as the host.
 
-    python bench/gpu_feed.py [--res 224] [--batch 256] [--images 1024] [--workers W]
+    python bench/gpu/feed.py [--res 224] [--batch 256] [--images 1024] [--workers W]
                              [--json bench/gpu_feed.json]
 """
 
@@ -34,24 +34,22 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from loader import write_folder  # noqa: E402
+from bench.loader import write_folder
 
 RANDAUGMENT, MIXUP, CUTMIX = 9, 0.2, 1.0
 
 
 def decode_rates(folder: str, gpu: bool) -> dict:
     """img/s of nvImageCodec decoding whole JPEGs: one at a time on one CPU core
-    (libjpeg-turbo); in one batch by the device loader's decoder (`twinstep.data.device
-    .Device._batch_decode`: nvJPEG on the GPU, else the same CPU decoder). And how far the
+    (libjpeg-turbo); in one batch by the device loader's decoder (`twinstep.data.nvdecode
+    .Decoder.batch`: nvJPEG on the GPU, else the same CPU decoder). And how far the
     batch's pixels are from the CPU's one at a time (max and mean |Δ| levels): on a GPU, nvJPEG
     against libjpeg-turbo; on the CPU twin 0, or the batch is wrong."""
     import numpy as np
     from nvidia import nvimgcodec
 
-    from twinstep.data import device
     from twinstep.data import folder as folders
+    from twinstep.data import nvdecode
 
     split = folders.scan(folder, "train")
     data = [split.encoded(i) for i in range(len(split))]
@@ -61,11 +59,11 @@ def decode_rates(folder: str, gpu: bool) -> dict:
     t0 = time.perf_counter()
     single = [np.asarray(cpu.decode(d).cpu()) for d in data]
     out = {"decode_cpu_core": len(data) / (time.perf_counter() - t0)}
-    src = device.Device(folders.scan_both(folder), 224, gpu_decode=gpu)
-    src._batch_decode([nvimgcodec.CodeStream(d) for d in data[:8]], [None] * 8)  # warm
+    decoder = nvdecode.Decoder(gpu)
+    decoder.batch([nvimgcodec.CodeStream(d) for d in data[:8]], [None] * 8)  # warm
     streams = [nvimgcodec.CodeStream(d) for d in data]
     t0 = time.perf_counter()
-    batch = src._batch_decode(streams, [None] * len(streams))
+    batch = decoder.batch(streams, [None] * len(streams))
     out["decode_gpu" if gpu else "decode_batch_cpu_core"] = len(data) / (time.perf_counter()
                                                                            - t0)
     diff = [np.abs(a.astype(np.int16) - b) for a, b in zip(single, batch, strict=True)]
@@ -124,7 +122,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--workers", type=int, default=os.cpu_count(),
                    help="loader processes (default: every core)")
-    p.add_argument("--json", default=str(Path(__file__).with_name("gpu_feed.json")))
+    p.add_argument("--json", default=str(Path(__file__).resolve().parents[1] / "gpu_feed.json"))
     args = p.parse_args()
     import jax
 

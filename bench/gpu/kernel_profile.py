@@ -2,7 +2,7 @@
 
 For each net, in a process of its own under --limit seconds (a slow compile of one keeps the
 other's result): the recipe ``<net>in_adamdp<N>bf16`` at --batch and --res, compiled as
-bench/gpu_step.py compiles it; --steps steps timed in windows blocked once each; then --traced
+bench/gpu/step.py compiles it; --steps steps timed in windows blocked once each; then --traced
 steps traced with ``jax.profiler`` and the trace read back here. Per net, one JSON file
 ``profile_<net>_<res>.json`` under --out:
 
@@ -15,7 +15,7 @@ steps traced with ``jax.profiler`` and the trace read back here. Per net, one JS
   top                     the --top kernels by time: name, HLO op, category, count, ms per step
   top_conv_calls          the --top convolution and GEMM calls by time, each by its HLO op's
                           own name
-  ab                      with --ab, each lever (`LEVERS`: `twinstep.program.Setup` fields)
+  ab                      with --ab, each lever (`LEVERS`: `twinstep.ops.levers.Levers` fields)
                           against the default, windows interleaved: its step_ms and speedup
                           (the default's step time over the lever's), written once the
                           profile is
@@ -27,9 +27,9 @@ On a GPU the kernels are the device plane's events (each names its HLO op); on a
 one the same script is its own CPU twin, reading XLA:CPU's thunks from the host plane (there the
 convolutions are fusions or dots, as XLA:CPU runs them).
 
-    python bench/gpu_profile.py [--nets resnet50 mnv4] [--batch 512] [--res 224] [--steps 20]
-                                [--traced 3] [--limit 250] [--out bench/profile]
-    python bench/gpu_profile.py --batch 4 --res 64 --steps 3 --traced 1   # the CPU twin
+    python bench/gpu/kernel_profile.py [--nets resnet50 mnv4] [--batch 512] [--res 224]
+                                       [--steps 20] [--traced 3] [--limit 250] [--out bench/profile]
+    python bench/gpu/kernel_profile.py --batch 4 --res 64 --steps 3 --traced 1   # the CPU twin
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from twinstep import program  # noqa: E402
+from twinstep.ops import levers
+from twinstep.ops.levers import Levers
 
 # (category, pattern of an HLO op's name or its kernel's): the first that matches either names
 # it. XLA:GPU names cuDNN's convolutions cudnn-conv (forward, also with a fused bias and
@@ -67,23 +66,23 @@ CATEGORIES = (
     ("XLA fusions", r"fusion"),
 )
 AGGREGATE_LINES = ("XLA Modules", "XLA Ops", "Steps", "Launch Stats", "TraceMe")
-# the levers --ab times against the default, in this order: {name: (`twinstep.program.Setup`
-# fields, the nets it applies to)}. The default is this platform's (`program.platform_levers`);
-# each lever the first lease timed one at a time (bench/RESULTS.md#gpu-profile) is adopted on a
-# GPU now: the step without them (on the GPU's conv paths) is the "before". Then the levers not
-# yet timed, in the order of the bytes bench/gpu_twin.py predicts they save (a part's time limit
-# may cut the last): bf16 storage between ops, ReLU masks kept as bits, both (ResNet-50: on
-# MobileNetV4 the store moves no bytes), the phased depthwise input VJP, the shift path with a
-# one-pass weight VJP.
+# the levers --ab times against the default, in this order: {name: (`Levers` fields, the nets
+# it applies to)}. The default is this platform's (`Levers.on`); each lever the first lease
+# timed one at a time (bench/RESULTS.md#gpu-profile) is adopted on a GPU now: the step without
+# them (on the GPU's conv paths) is the "before". Then every candidate value not yet timed
+# (`levers.candidates`), in the order of the bytes bench/gpu/twin.py predicts they save (a
+# part's time limit may cut the last): bf16 storage between ops, ReLU masks kept as bits, both
+# (ResNet-50: on MobileNetV4 the store moves no bytes), then the depthwise paths (MobileNetV4).
 ADOPTED = ("crop_unread", "bn_moments")
-LEVERS = {"without the GPU's levers": ({k: program.CPU_LEVERS[k] for k in ADOPTED},
+_CANDIDATES = sorted(levers.candidates().items(), key=lambda c: "depthwise_path" in c[1])
+LEVERS = {"without the GPU's levers": ({k: getattr(Levers.of("cpu"), k) for k in ADOPTED},
                                        ("resnet50", "mnv4")),
-          "store=bf16": ({"store": "bf16"}, ("resnet50", "mnv4")),
-          "relu_mask=bits": ({"relu_mask": "bits"}, ("resnet50", "mnv4")),
+          **{name: (given, ("resnet50", "mnv4")) for name, given in _CANDIDATES
+             if "depthwise_path" not in given},
           "store=bf16, relu_mask=bits": ({"store": "bf16", "relu_mask": "bits"},
                                          ("resnet50",)),
-          "depthwise_path=phased": ({"depthwise_path": "phased"}, ("mnv4",)),
-          "depthwise_path=shift-one-pass": ({"depthwise_path": "shift-one-pass"}, ("mnv4",))}
+          **{name: (given, ("mnv4",)) for name, given in _CANDIDATES
+             if "depthwise_path" in given}}
 
 
 def category(op: str, kernel: str) -> str:
@@ -162,7 +161,8 @@ def profile_net(net_name: str, args, write) -> dict:
     """One net's profile (the module docstring's fields), in this process; ``write(profile)``
     after the profile and again after each lever's A/B."""
     import jax
-    from gpu_step import build, time_steps
+
+    from bench.gpu.step import build, time_steps
 
     t0 = time.perf_counter()
     compiled, call_args, macs = build(net_name, args.batch, args.res, args.classes)
@@ -208,7 +208,7 @@ def lever_ab(net_name: str, args, compiled, call_args, kwargs) -> dict:
     """The step built with ``kwargs`` against ``compiled`` (the default's), each timed in
     windows of --steps // 3 steps, interleaved, three of each: (medians, the default's
     arguments now: its steps donated those it was given)."""
-    from gpu_step import build, time_steps
+    from bench.gpu.step import build, time_steps
 
     other, other_args, _ = build(net_name, args.batch, args.res, args.classes, **kwargs)
     times: dict = {"default": [], "lever": []}
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     p.add_argument("--hlo", action="store_true", help="also write the optimized HLO, gzipped")
     p.add_argument("--ab", action="store_true",
                    help=f"also time each lever against the default ({', '.join(LEVERS)})")
-    p.add_argument("--out", type=Path, default=Path(__file__).with_name("profile"))
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "profile")
     p.add_argument("--one", help=argparse.SUPPRESS)  # the net this process profiles
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 XLA compiles for a GPU it cannot see when JAX is given the device's description (a target
 config: `TARGETS`) and a CUDA compiler plugin is installed (`make gpu-twin` makes
-``.venv-gpu``, with the JAX the lent GPU runs). The program is the one bench/gpu_step.py times
+``.venv-gpu``, with the JAX the lent GPU runs). The program is the one bench/gpu/step.py times
 (``<net>in_adamdpbf16``, k = 1, one device, the state donated), built here on abstract
 arguments; autotuning needs the device, so cuDNN and the GEMMs keep their default kernels, which
 changes no fusion. The optimized HLO's kernels are every instruction of the entry computation and
@@ -13,18 +13,17 @@ on one H100 is memory-bound (bench/RESULTS.md#gpu-profile), so bytes are where a
 moves fewer of them shows before a lease can time it — a prediction, never a timing.
 
 Per net, ``twin_<net>_<res>.json`` under --out and a table: gigabytes and kernels by the
-categories bench/gpu_profile.py times (`gpu_profile.category`), the --top kernels by bytes (the
-op they come from, their result), and with --ab each lever of `gpu_profile.LEVERS` against the
-default: its bytes in total and in fusions (XLA's fusions, copies and pads), and the ratio of
-the totals. With --measured, a lease's
-profile (``profile_<net>.json``, bench/leases/) beside the twin of the program it timed: each
-category's measured ms per step and the bandwidth its bytes imply (bytes / time, which must stay
-under the device's peak for the model to hold), and each A/B the lease timed, its speedup beside
-the bytes ratio of the same two programs here. --write-results rewrites bench/RESULTS.md's
-section ``## GPU twin``.
+categories bench/gpu/kernel_profile.py times (`kernel_profile.category`), the --top kernels by
+bytes (the op they come from, their result), and with --ab each lever of `kernel_profile.LEVERS`
+against the default: its bytes in total and in fusions (XLA's fusions, copies and pads), and the
+ratio of the totals. With --measured, a lease's profile (``profile_<net>.json``, bench/leases/)
+beside the twin of the program it timed: each category's measured ms per step and the bandwidth
+its bytes imply (bytes / time, which must stay under the device's peak for the model to hold),
+and each A/B the lease timed, its speedup beside the bytes ratio of the same two programs here.
+--write-results rewrites bench/RESULTS.md's section ``## GPU twin``.
 
     make gpu-twin                       # .venv-gpu: JAX and its CUDA plugin, ~1 GB
-    .venv-gpu/bin/python bench/gpu_twin.py [--nets resnet50 mnv4] [--batch 512] [--res 224]
+    .venv-gpu/bin/python bench/gpu/twin.py [--nets resnet50 mnv4] [--batch 512] [--res 224]
         [--target h100] [--ab] [--measured bench/leases/2026-12-05-h100] [--write-results]
 
 Exit 0 when every net compiled, 2 without a CUDA plugin or on bad arguments, 3 when a compile
@@ -58,11 +57,9 @@ def deviceless_env() -> None:
 
 if __name__ == "__main__":
     deviceless_env()
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpu_profile import CATEGORIES, LEVERS, category  # noqa: E402
-
+from bench.gpu.kernel_profile import CATEGORIES, LEVERS, category  # noqa: E402
 from twinstep import program  # noqa: E402
+from twinstep.ops.levers import Levers  # noqa: E402
 
 # XLA's GpuTargetConfig fields for the GPUs the leases lend, from NVIDIA's datasheets (SXM
 # parts): SMs, boost clock, HBM bandwidth and size, L2; every Hopper SM has the same limits.
@@ -119,9 +116,9 @@ def cuda_plugin() -> str | None:
 
 def compile_step(net_name: str, batch: int, res: int, classes: int, target: str,
                  **levers) -> str:
-    """The optimized HLO text of the bf16 train step (gpu_step.build's program) at ``batch``
-    examples of ``res``², compiled for ``target`` without its device; ``levers``: fields of
-    `twinstep.program.Setup` over the GPU's (`program.GPU_LEVERS`)."""
+    """The optimized HLO text of the bf16 train step (step.build's program) at ``batch``
+    examples of ``res``², compiled for ``target`` without its device; ``levers``: the
+    `twinstep.ops.levers.Levers` set over a GPU's."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
@@ -138,7 +135,7 @@ def compile_step(net_name: str, batch: int, res: int, classes: int, target: str,
                             tree)
 
     recipe = dataclasses.replace(recipes.parse(f"{net_name}in_adamdpbf16"), batch=batch)
-    setup = program.Setup(precision="bf16", **{**program.GPU_LEVERS, **levers})
+    setup = program.Setup(precision="bf16", levers=Levers.chosen(gpu=True, **levers))
     made = program.train_program(get_net(net_name), recipe, setup, classes=classes, donate=True)
     xs = jax.ShapeDtypeStruct((1, batch, res, res, 3), jnp.float32, sharding=where)
     ts = jax.ShapeDtypeStruct((1, batch, classes), jnp.float32, sharding=where)
@@ -319,7 +316,7 @@ def _ab(default: dict, lever: dict) -> dict:
 
 def measured(net_name: str, args, accounted) -> dict:
     """A lease's profile of ``net_name`` beside the twin of the program it timed: the lease's
-    default was the step without the levers adopted since (`gpu_profile.LEVERS`' first), and
+    default was the step without the levers adopted since (`kernel_profile.LEVERS`' first), and
     each of its A/B levers was timed over that default. ``accounted(**levers)``: the account
     of ``net_name``'s step with those levers."""
     path = args.measured / f"profile_{net_name}.json"
@@ -410,7 +407,7 @@ def main(argv=None) -> int:
     p.add_argument("--measured", type=Path, metavar="LEASE_DIR",
                    help="a lease's profile_<net>.json files, set beside their twins")
     p.add_argument("--hlo", action="store_true", help="also write the optimized HLO, gzipped")
-    p.add_argument("--out", type=Path, default=Path(__file__).with_name("profile"),
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "profile",
                    help="where twin_<net>_<res>.json go (default: bench/profile)")
     p.add_argument("--write-results", action="store_true",
                    help="rewrite bench/RESULTS.md's section '## GPU twin'")
@@ -440,15 +437,16 @@ def main(argv=None) -> int:
         twins.append(twin)
     if args.write_results and twins:
         import jax
-        from common import write_results
 
-        command = "python bench/gpu_twin.py " + " ".join(argv if argv is not None
+        from bench.common import RESULTS, write_results
+
+        command = "python bench/gpu/twin.py " + " ".join(argv if argv is not None
                                                          else sys.argv[1:])
-        write_results(Path(__file__).with_name("RESULTS.md"), "GPU twin",
+        write_results(RESULTS, "GPU twin",
                       f"The bf16 train step compiled for one {TARGETS[args.target]['description']}"
                       f" on this machine, without one (JAX {jax.__version__}): batch "
                       f"{args.batch} at {args.res}², bytes each kernel reads and writes, "
-                      "a model of HBM traffic (bench/gpu_twin.py).",
+                      "a model of HBM traffic (bench/gpu/twin.py).",
                       command, results_table(twins))
     return 3 if failed else 0
 
