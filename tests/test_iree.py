@@ -134,7 +134,7 @@ def test_the_iree_render_ties_and_its_f32_demotion_does_not(tmp_path):
         return [jnp.asarray(o.astype(np.float64) if o.dtype == np.float32 else o)
                 for o in demoted(*low)]
 
-    cfg = tie.TieConfig(manifest["net"], 1, recipe=RECIPE, **SMALL)
+    cfg = tie.TieConfig(net=manifest["net"], replicas=1, recipe=RECIPE, **SMALL)
     with settings.jax_settings(jax_enable_x64=True):
         bad = trajectory.run_steps_tie(cfg, steps=1,
                                  replica=reader._flat_step(manifest["inputs"], call))

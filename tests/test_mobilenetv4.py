@@ -380,8 +380,8 @@ def test_timm_parity_float32():
 
 
 def _stride_on_start(uib):
-    def variant(p, cin, cout, e, a, k, s):
-        out = list(uib(p, cin, cout, e, a, k, s))
+    def variant(p, cin, cout, *, e, a, k, s):
+        out = list(uib(p, cin, cout, e=e, a=a, k=k, s=s))
         if a and k and s > 1:
             out[0], out[2] = out[0]._replace(stride=s), out[2]._replace(stride=1)
         return tuple(out)
@@ -389,8 +389,8 @@ def _stride_on_start(uib):
 
 
 def _act_after_start(uib):
-    def variant(p, cin, cout, e, a, k, s):
-        out = list(uib(p, cin, cout, e, a, k, s))
+    def variant(p, cin, cout, *, e, a, k, s):
+        out = list(uib(p, cin, cout, e=e, a=a, k=k, s=s))
         if a:
             out[0] = out[0]._replace(relu=True)
         return tuple(out)

@@ -97,7 +97,7 @@ def _bn_inputs(net_name: str) -> list:
     from twinstep.ops import batchnorm
 
     net = get_net(net_name)
-    cfg = tie.TieConfig(net_name, replicas=1, batch=4, precision="f64")
+    cfg = tie.TieConfig(net=net_name, replicas=1, batch=4, precision="f64")
     params, buffers, x, _ = inputs.setup(cfg, net)
     ctx = program.Setup(precision="f64").context()
     def bn_xs(p, b, x):

@@ -159,10 +159,11 @@ def test_the_counter_sees_missing_collectives():
     unsynced control has only the gradients' and the loss's all-reduces. The whole step refuses
     that control (each replica would keep its own running statistics)."""
     net = get_net("resnet50")
-    buckets = len(grad_buckets(jax.tree.leaves(inputs.setup(tie.TieConfig("resnet50", 4), net)[0])))
+    start = inputs.setup(tie.TieConfig(net="resnet50", replicas=4), net)
+    buckets = len(grad_buckets(jax.tree.leaves(start[0])))
     assert buckets == 10  # f64: twice the bytes of f32's 4
     for control, want in (("none", 2 * 53 + buckets + 1), ("unsynced", buckets + 1)):
-        cfg = tie.TieConfig("resnet50", 4, control=control)
+        cfg = tie.TieConfig(net="resnet50", replicas=4, control=control)
         params, buffers, x, t = inputs.setup(cfg, net)
         program = tie.replica_program(net, cfg, inputs.tie_precision("f64"))
         text = program.lower(params, buffers, x, t).as_text(debug_info=True)
@@ -336,7 +337,8 @@ def test_manifest_describes_the_signature(example_f64):
 
 def _example_inputs(seed=3):
     """A trained-looking state (BN randomised), one batch, a key: the tie's own set-up."""
-    cfg = tie.TieConfig("resnet50", 4, 2, 32, 10, "ce", "f64", seed)
+    cfg = tie.TieConfig(net="resnet50", replicas=4, batch=2, res=32, classes=10, loss="ce",
+                        precision="f64", seed=seed)
     net, recipe = get_net("resnet50"), parse(EXAMPLE)
     params, buffers, _, _ = inputs.setup(cfg, net)
     opt = optim.for_recipe(recipe, params)

@@ -312,7 +312,8 @@ def bad_renders(tmp):
     single-device step had been dispatched, and the process then died with it (exit 139)."""
     from twinstep.rendering import render
 
-    made = render.make(render.RenderConfig("resnet50in_lambdp2", 2, 32, 10, "f64"))
+    made = render.make(render.RenderConfig("resnet50in_lambdp2", 2, res=32, classes=10,
+                                           precision="f64"))
     paths = render.write(made, str(tmp / "render"))
     with open(paths[".json"]) as f:
         manifest = json.load(f)
