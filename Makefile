@@ -99,7 +99,7 @@ ARGS ?=
 
 # The tiers' marker expressions (pytest -m). tests/tiers.py reads these two lines to generate
 # the README's table of what each tier runs.
-FAST_MARKERS := not slow and not oracle and not iree and not nvimgcodec and not gpu_twin and not all
+FAST_MARKERS := not slow and not oracle and not iree and not nvimgcodec and not gpu_twin and not process and not all
 TEST_MARKERS := not all
 
 # The inner loop: no whole-network compile, no extra's library needed.

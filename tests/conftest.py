@@ -3,8 +3,9 @@ programs (both before JAX's first operation), a deterministic hypothesis profile
 same shapes every run, and the tiers.
 
 Tiers (markers, pyproject.toml): ``slow`` compiles a whole network, ``oracle``, ``iree`` and
-``nvimgcodec`` run an extra's library, ``gpu_twin`` compiles for a GPU in ``.venv-gpu``, ``all``
-belongs to the exhaustive matrix.
+``nvimgcodec`` run an extra's library, ``gpu_twin`` compiles for a GPU in ``.venv-gpu``,
+``process`` runs twinstep commands whole in processes of their own (10 s or more each: the
+inner loop leaves them to `make test`), ``all`` belongs to the exhaustive matrix.
 The Makefile's FAST_MARKERS and TEST_MARKERS select `make test-fast` and `make test`; `make
 test-all` runs everything, with TWINSTEP_HYPOTHESIS=all for the whole-network sweeps' random draws
 (`SWEEP_PHASES`). What each tier runs: the README's table (tests/tiers.py).

@@ -32,6 +32,7 @@ def test_bad_usage_exits_2():
     assert run("no-such-command").returncode == 2
 
 
+@pytest.mark.process
 def test_certify_end_to_end(tmp_path):
     png = tmp_path / "r.png"
     r = run("certify", "--replicas", "3", "--json", str(tmp_path / "r.json"), "--plot", str(png))

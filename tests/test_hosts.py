@@ -445,6 +445,7 @@ def test_a_frozen_process_is_named_by_the_watchdog_of_the_other(tmp_path):
     assert time.monotonic() - t0 < 20  # the limit, a beat, and the frozen one killed at once
 
 
+@pytest.mark.process
 def test_the_supervisor_restarts_up_to_its_limit_then_exits_with_the_failure(monkeypatch, capfd):
     """A command that fails every time (exit 3: an XLA flag XLA refuses) is started 1 + N times
     and the launcher exits 3; bad usage (exit 2) is never restarted."""

@@ -323,6 +323,7 @@ def bad_renders(tmp):
              "res = 64 contradicts its inputs (xs [1, 4, 32, 32, 3]")]
 
 
+@pytest.mark.process
 def test_every_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, capsys):
     cases, alone = bad_inputs(tmp_path), bad_renders(tmp_path)
     before = sorted(os.listdir(tmp_path))
@@ -360,6 +361,7 @@ def test_a_refused_publish_leaves_no_lock_and_no_temporary_file(tmp_path, monkey
     assert sorted(os.listdir(tmp_path)) == ["a"]
 
 
+@pytest.mark.process
 def test_the_environment_a_user_runs_in_is_exit_3_or_plain_ascii(monkeypatch):
     """A flag XLA does not know is exit 3 in one line, before XLA aborts the command (and a
     flag it knows passes the check); a console that cannot print Unicode gets the report in
@@ -384,6 +386,7 @@ def test_the_environment_a_user_runs_in_is_exit_3_or_plain_ascii(monkeypatch):
     assert "beta 0.9/0.999" in done.stdout and done.stdout.isascii()
 
 
+@pytest.mark.process
 def test_compiled_programs_are_kept_and_loaded_not_compiled_again(tmp_path):
     """The CLI's compilation cache (`settings.use_compile_cache`): a program compiled once is
     kept, and the same program in a new process adds nothing (loaded); the control, another
