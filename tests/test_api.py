@@ -80,3 +80,29 @@ def test_unknown_names_are_usage_errors():
         twinstep.parse_recipe("resnet50in_lambfoo")
     with pytest.raises(twinstep.UsageError, match="--replicas must be >= 1"):
         twinstep.render("rsb-a1", replicas=0)
+
+
+def test_a_recipe_is_parsed_once_per_tie(monkeypatch, capsys):
+    """`twinstep tie --recipe` reads its recipe name once: the tie's config parses it on
+    construction and every later reader takes that (`TieConfig.parsed_recipe`), its net
+    included. Control: a config made twice, as the tie once rebuilt it, parses twice."""
+    from twinstep import recipes
+    from twinstep.checking import tie, trajectory
+
+    parsed = []
+    real = recipes.parse
+    monkeypatch.setattr(recipes, "parse", lambda name: parsed.append(name) or real(name))
+    seen = {}
+
+    def stand_in(cfg, steps, progress=None, **_):  # the steps' tie, as far as its recipe goes
+        seen.update(net=cfg.net, recipe=cfg.parsed_recipe())
+        raise KeyboardInterrupt  # stop here: nothing compiles
+
+    monkeypatch.setattr(trajectory, "run_steps_tie", stand_in)
+    assert cli.main(["tie", "--recipe", "mnv4in_adamdp2", "--replicas", "2"]) == 130
+    assert parsed == ["mnv4in_adamdp2"] and seen["net"] == "mnv4"
+    assert seen["recipe"] == real("mnv4in_adamdp2")
+    parsed.clear()
+    tie.TieConfig(recipe="mnv4in_adamdp2"), tie.TieConfig(recipe="mnv4in_adamdp2")
+    assert len(parsed) == 2
+    capsys.readouterr()
