@@ -12,7 +12,7 @@ import pytest
 from oracle_libs import timm, torch
 
 from twinstep import dp, ema, optim
-from twinstep.nets import mobilenetv4, resnet50
+from twinstep.nets import NETS, mobilenetv4
 
 BOUND = {np.float64: 1e-10, np.float32: 2e-6}
 WD = 0.05
@@ -226,7 +226,7 @@ def test_the_clips_are_timms(rng):
 
 
 def test_decay_mask():
-    for net, (tensors, one_d) in ((resnet50, (161, 107)), (mobilenetv4, (233, 155))):
+    for net, (tensors, one_d) in ((NETS["resnet50"], (161, 107)), (mobilenetv4, (233, 155))):
         shapes = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in net.param_shapes().items()}
         mask = optim.decay_mask(shapes, True)
         assert (len(mask), sum(not m for m in mask.values())) == (tensors, one_d)

@@ -116,7 +116,7 @@ MALFORMED = [
     ("resnet50in_lambdp4x128", "'4x' needs 'acc'"),
     ("resnet50in_lambacc1x", "'1x'"),
     ("resnet50in_lambacc04x", "'04x' has a leading zero"),
-    ("resnet18in_lamb", "'resnet18in'"),
+    ("vgg16in_lamb", "'vgg16in'"),
     ("resnet50im_lamb", "unknown net in 'resnet50im'"),  # not resnet50 on a dataset 'im'
     ("mnv4xin_adam", "unknown net in 'mnv4xin'"),
     ("mnv4-in_adam", "unknown net in 'mnv4-in'"),

@@ -1,14 +1,15 @@
-"""The networks, one module each; a net module is a `Net` (the interface its callers use).
+"""The networks, one file per family; each net is a `Net` (the interface its callers use).
 
-Adding a network is one new file here implementing `Net` and one line in `NETS`; the recipes,
-the tie, the trainer, renders and the tests take every net from `NETS` (docs/nets.md).
+Adding a network is a row in its family's table (`resnet.VARIANTS`), or a new file
+implementing `Net` and one entry in `NETS`; the recipes, the tie, the trainer, renders and the
+tests take every net from `NETS` (docs/nets.md).
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from twinstep.nets import mobilenetv4, resnet50
+from twinstep.nets import mobilenetv4, resnet
 
 
 @runtime_checkable
@@ -16,7 +17,7 @@ class Net(Protocol):
     """What callers use of a net module. Shapes: N examples, K classes, H = W a multiple of
     `INPUT_MULTIPLE`; activations NHWC, parameters in timm's names and shapes.
 
-    ``isinstance(module, Net)`` checks that every member is present (not their types)."""
+    ``isinstance(net, Net)`` checks that every member is present (not their types)."""
 
     NAME: str  # twinstep's name: "resnet50", "mnv4"
     TIMM_NAME: str  # the timm model it matches, e.g. "mobilenetv4_conv_medium"
@@ -60,7 +61,7 @@ class Net(Protocol):
         ...
 
 
-NETS: dict[str, Net] = {resnet50.NAME: resnet50, mobilenetv4.NAME: mobilenetv4}
+NETS: dict[str, Net] = {**{net.NAME: net for net in resnet.NETS}, mobilenetv4.NAME: mobilenetv4}
 
 
 def get_net(name: str) -> Net:

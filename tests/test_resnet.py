@@ -1,5 +1,7 @@
-"""ResNet-50 v1.5: timm's names and shapes, the explicit chain against jax.grad, parity with
-timm + torch autograd, the controls that must break parity, and checkpoints in and out."""
+"""The ResNet family (v1.5, `twinstep.nets.resnet`): timm's names and shapes for every row, the
+explicit chain against jax.grad, parity with timm + torch autograd, the controls that must break
+parity, and checkpoints in and out. make test holds ResNet-50 (bottlenecks) and ResNet-18
+(basic blocks) — the two kinds of block; test-all every row."""
 
 import jax
 import jax.numpy as jnp
@@ -10,46 +12,72 @@ from oracle_libs import timm, torch
 from twinstep import dp
 from twinstep.checking import cases, oracle, parity
 from twinstep.cli import info
-from twinstep.nets import layers, resnet50
+from twinstep.nets import NETS, layers, resnet
 from twinstep.ops import loss, pool
 from twinstep.ops.precision import F64
 from twinstep.training import state_dict
 
 K = 10
+resnet50 = NETS["resnet50"]
+# the rows make test holds: one of each block kind; test-all every row
+IN_MAKE_TEST = ("resnet18", "resnet50")
+FAMILY = [pytest.param(NETS[name], id=name, marks=() if name in IN_MAKE_TEST else pytest.mark.all)
+          for name in resnet.VARIANTS]
 
 
-def test_counts():
-    d = info.describe(resnet50, 224, 1000)
-    assert (d["tensors"], d["scalars"], d["bn_layers"], d["one_d_tensors"], d["buffers"]) == (
-        161, 25_557_032, 53, 107, 106)
-    # convolutions + classifier; timm's table says 4.11 with its profiler's extra elementwise ops
-    assert round(d["gmacs"], 2) == 4.09
+# tensors, scalars at K = 1000 (timm's parameter counts), BN layers
+@pytest.mark.parametrize("name,counts", [
+    ("resnet18", (62, 11_689_512, 20)), ("resnet34", (110, 21_797_672, 36)),
+    ("resnet50", (161, 25_557_032, 53)), ("resnet101", (314, 44_549_160, 104)),
+    ("resnet152", (467, 60_192_808, 155))])
+def test_counts(name, counts):
+    d = info.describe(NETS[name], 224, 1000)
+    assert (d["tensors"], d["scalars"], d["bn_layers"]) == counts
+    if name == "resnet50":
+        assert (d["one_d_tensors"], d["buffers"]) == (107, 106)
+        # convolutions + classifier; timm's table says 4.11 with its profiler's extra ops
+        assert round(d["gmacs"], 2) == 4.09
+
+
+def test_the_blocks_of_a_basic_resnet():
+    """ResNet-18: layer1 keeps its width and grid, so it projects nothing; layer2..4's first
+    blocks stride on conv1 and project."""
+    bs = NETS["resnet18"].blocks()
+    assert [(b.cin, b.cout, b.stride, b.projects) for b in bs] == [
+        (64, 64, 1, False), (64, 64, 1, False), (64, 128, 2, True), (128, 128, 1, False),
+        (128, 256, 2, True), (256, 256, 1, False), (256, 512, 2, True), (512, 512, 1, False)]
+    assert NETS["resnet18"].branch_end_bns() == tuple(f"{b.prefix}.bn2" for b in bs)
 
 
 @pytest.mark.oracle
-def test_names_order_shapes_match_timm():
-    model = timm.create_model("resnet50", num_classes=K)
+@pytest.mark.parametrize("net", FAMILY)
+def test_names_order_shapes_match_timm(net):
+    model = timm.create_model(net.TIMM_NAME, num_classes=K)
     theirs = {k: tuple(v.shape) for k, v in model.named_parameters()}
-    ours = resnet50.param_shapes(K)
+    ours = net.param_shapes(K)
     assert list(ours.items()) == list(theirs.items())
     buffers = {k: tuple(v.shape) for k, v in model.named_buffers() if "running" in k}
     assert list(layers.buffer_shapes(ours).items()) == list(buffers.items())
 
 
-def model_state(seed, dtype=jnp.float64):
+def model_state(seed, dtype=jnp.float64, net=resnet50):
     key = jax.random.key(seed)
-    shapes = resnet50.param_shapes(K)
-    params = layers.init_params(key, shapes, dtype=dtype, linear=resnet50.LINEAR_INIT)
+    shapes = net.param_shapes(K)
+    params = layers.init_params(key, shapes, dtype=dtype, linear=net.LINEAR_INIT)
     return layers.randomize_bn(jax.random.fold_in(key, 1), params,
                                layers.init_buffers(shapes, dtype))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("res,batch", [
-    pytest.param(32, 2, marks=pytest.mark.all), (32, 4),
-    pytest.param(64, 2, marks=pytest.mark.all), pytest.param(64, 4, marks=pytest.mark.all)])
-def test_explicit_chain_matches_jax_grad(res, batch, rng):
-    params, buffers = model_state(res + batch)
+@pytest.mark.parametrize("name,res,batch", [
+    pytest.param("resnet50", 32, 2, marks=pytest.mark.all), ("resnet50", 32, 4),
+    pytest.param("resnet50", 64, 2, marks=pytest.mark.all),
+    pytest.param("resnet50", 64, 4, marks=pytest.mark.all), ("resnet18", 32, 4),
+    *(pytest.param(n, 32, 2, marks=pytest.mark.all) for n in ("resnet34", "resnet101",
+                                                              "resnet152"))])
+def test_explicit_chain_matches_jax_grad(name, res, batch, rng):
+    net = NETS[name]
+    params, buffers = model_state(res + batch, net=net)
     x = jnp.asarray(rng.standard_normal((batch, res, res, 3)))
     t = cases.soft_targets(rng, batch, K)
     ctx = layers.Ctx(precision=F64)
@@ -57,17 +85,17 @@ def test_explicit_chain_matches_jax_grad(res, batch, rng):
               "bce": lambda z: loss.bce(z, loss.bce_targets(t, 0.1, 0.2))}
 
     def hand(p):
-        logits, tape, _ = resnet50.forward(p, buffers, x, ctx)
-        return {k: resnet50.backward(tape, f(logits)[1]) for k, f in losses.items()}
+        logits, tape, _ = net.forward(p, buffers, x, ctx)
+        return {k: net.backward(tape, f(logits)[1]) for k, f in losses.items()}
 
     def autodiff(p):
-        return {k: jax.grad(lambda p, f=f: f(resnet50.forward(p, buffers, x, ctx)[0])[0])(p)
+        return {k: jax.grad(lambda p, f=f: f(net.forward(p, buffers, x, ctx)[0])[0])(p)
                 for k, f in losses.items()}
 
     ours, ref = dp.jit(hand, True)(params), dp.jit(autodiff, True)(params)  # -O0: same numerics
     for kind in losses:
         errs = {n: oracle.rel_err(ours[kind][n], ref[kind][n]) for n in params}
-        assert len(errs) == 161
+        assert len(errs) == len(net.param_shapes(K))
         worst = max(errs, key=errs.get)
         assert errs[worst] <= 1e-10, (kind, worst, errs[worst])
 
@@ -80,6 +108,21 @@ def test_parity_with_timm_f64(res, batch, loss_kind):
     r = parity.run_parity(resnet50, res=res, batch=batch, precision="f64", loss=loss_kind,
                           num_classes=K, seed=1, fast_compile=True)
     assert len(r.grad_errs) == 161
+    assert r.logits_train_err <= 1e-9 and r.logits_eval_err <= 1e-9
+    assert r.worst_grad[1] <= 1e-8, r.worst_grad
+    assert r.buffer_err <= 1e-9  # running buffers after one step equal timm's
+    assert r.ok
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+@pytest.mark.parametrize("net", [p for p in FAMILY if p.id != "resnet50"])
+def test_each_row_is_timms_f64(net):
+    """Every other row of the table against timm + torch autograd at its smallest grid (f64):
+    logits, every gradient, the running buffers after one step."""
+    r = parity.run_parity(net, res=32, batch=2, precision="f64", loss="ce", num_classes=K,
+                          seed=1, fast_compile=True)
+    assert len(r.grad_errs) == len(net.param_shapes(K))
     assert r.logits_train_err <= 1e-9 and r.logits_eval_err <= 1e-9
     assert r.worst_grad[1] <= 1e-8, r.worst_grad
     assert r.buffer_err <= 1e-9  # running buffers after one step equal timm's
@@ -101,7 +144,7 @@ def test_parity_with_timm_f32_logits():
 
 def swap_gammas(params):
     p = dict(params)
-    a, b = "layer1.0.bn1.weight", "layer1.1.bn1.weight"
+    a, b = "layer1.0.bn1.weight", "layer1.1.bn1.weight"  # the same shape in every row
     p[a], p[b] = params[b], params[a]
     return p
 
@@ -113,12 +156,13 @@ def same_padded_maxpool(x):
 
 @pytest.mark.oracle
 @pytest.mark.slow
-def test_controls_fail_parity(monkeypatch):
-    swapped = parity.run_parity(resnet50, res=64, batch=2, precision="f64", loss="ce",
+@pytest.mark.parametrize("net", [NETS["resnet50"], NETS["resnet18"]], ids=lambda n: n.NAME)
+def test_controls_fail_parity(net, monkeypatch):
+    swapped = parity.run_parity(net, res=64, batch=2, precision="f64", loss="ce",
                                 num_classes=K, seed=1, tamper=swap_gammas, fast_compile=True)
     assert not swapped.ok and swapped.logits_train_err > 1e-3
     monkeypatch.setattr(pool, "maxpool_forward", same_padded_maxpool)
-    same = parity.run_parity(resnet50, res=64, batch=2, precision="f64", loss="ce",
+    same = parity.run_parity(net, res=64, batch=2, precision="f64", loss="ce",
                              num_classes=K, seed=1, fast_compile=True)
     assert not same.ok and same.logits_train_err > 1e-3
 
