@@ -100,28 +100,22 @@ def test_explicit_chain_matches_jax_grad(name, res, batch, rng):
         assert errs[worst] <= 1e-10, (kind, worst, errs[worst])
 
 
-@pytest.mark.parametrize("res,batch,loss_kind", [
-    (64, 2, "ce"), (64, 2, "bce"), pytest.param(32, 4, "ce", marks=pytest.mark.all)])
+# ResNet-50 at three shapes and both losses; every other row at its smallest grid (32², N = 2)
+PARITY = [pytest.param("resnet50", 64, 2, "ce"), pytest.param("resnet50", 64, 2, "bce"),
+          pytest.param("resnet50", 32, 4, "ce", marks=pytest.mark.all),
+          *(pytest.param(p.values[0].NAME, 32, 2, "ce", marks=p.marks, id=p.id)
+            for p in FAMILY if p.id != "resnet50")]
+
+
+@pytest.mark.parametrize("name,res,batch,loss_kind", PARITY)
 @pytest.mark.oracle
 @pytest.mark.slow
-def test_parity_with_timm_f64(res, batch, loss_kind):
-    r = parity.run_parity(resnet50, res=res, batch=batch, precision="f64", loss=loss_kind,
+def test_parity_with_timm_f64(name, res, batch, loss_kind):
+    """Against timm + torch autograd (f64): logits, every gradient, the running buffers after
+    one step."""
+    net = NETS[name]
+    r = parity.run_parity(net, res=res, batch=batch, precision="f64", loss=loss_kind,
                           num_classes=K, seed=1, fast_compile=True)
-    assert len(r.grad_errs) == 161
-    assert r.logits_train_err <= 1e-9 and r.logits_eval_err <= 1e-9
-    assert r.worst_grad[1] <= 1e-8, r.worst_grad
-    assert r.buffer_err <= 1e-9  # running buffers after one step equal timm's
-    assert r.ok
-
-
-@pytest.mark.oracle
-@pytest.mark.slow
-@pytest.mark.parametrize("net", [p for p in FAMILY if p.id != "resnet50"])
-def test_each_row_is_timms_f64(net):
-    """Every other row of the table against timm + torch autograd at its smallest grid (f64):
-    logits, every gradient, the running buffers after one step."""
-    r = parity.run_parity(net, res=32, batch=2, precision="f64", loss="ce", num_classes=K,
-                          seed=1, fast_compile=True)
     assert len(r.grad_errs) == len(net.param_shapes(K))
     assert r.logits_train_err <= 1e-9 and r.logits_eval_err <= 1e-9
     assert r.worst_grad[1] <= 1e-8, r.worst_grad
