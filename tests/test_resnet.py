@@ -100,10 +100,13 @@ def test_explicit_chain_matches_jax_grad(name, res, batch, rng):
         assert errs[worst] <= 1e-10, (kind, worst, errs[worst])
 
 
-# ResNet-50 at three shapes and both losses; every other row at its smallest grid (32², N = 2)
+# ResNet-50 at three shapes and both losses; every other row at 32², N = 4. Not N = 2: there
+# layer4's 1 x 1 grid gives each BN 2 values, whose variance cancels, and 33 or 50 blocks
+# amplify f64's rounding to a logits error of 4e-6 (ResNet-101) and 2e-6 (-152) where at
+# N = 4 it is 8e-12 (and 9e-13 at 64², N = 2)
 PARITY = [pytest.param("resnet50", 64, 2, "ce"), pytest.param("resnet50", 64, 2, "bce"),
           pytest.param("resnet50", 32, 4, "ce", marks=pytest.mark.all),
-          *(pytest.param(p.values[0].NAME, 32, 2, "ce", marks=p.marks, id=p.id)
+          *(pytest.param(p.values[0].NAME, 32, 4, "ce", marks=p.marks, id=p.id)
             for p in FAMILY if p.id != "resnet50")]
 
 
