@@ -75,6 +75,42 @@ def test_the_flags_go_together_and_in_range():
     assert env["JAX_LOCAL_DEVICE_IDS"] == "0,1"
 
 
+def test_process_0_leaves_a_handover_only_once_the_others_hold_its_value(monkeypatch):
+    """`cluster.from_primary` between two processes, played in turn on a key-value store: the
+    other process runs where process 0 would block. Process 0 hosts the runtime's service and a
+    failed run `os._exit`s right after handing its verdict over, so it must return only after
+    the other's last call to the runtime has. Control: a process 0 that returned once it had
+    set the value (as it once did) leaves the other's read unstarted — seen as exit 3,
+    "Socket closed", on a loaded machine (test_a_render_ties_across_processes...)."""
+    store, calls, got = {}, [], []
+    me = {"index": 0}
+
+    class Client:
+        def key_value_set(self, key, value):
+            calls.append((me["index"], "set", key))
+            store[key] = value
+
+        def blocking_key_value_get(self, key, timeout_ms):
+            if key not in store:  # this process waits: the other runs meanwhile
+                assert me["index"] == 0, f"process 1 would wait for {key} forever"
+                me["index"] = 1
+                with monkeypatch.context() as m:  # each process counts its own meetings
+                    m.setattr(cluster, "_barriers", {})
+                    got.append(cluster.from_primary("verdict", None))
+                me["index"] = 0
+            calls.append((me["index"], "get", key))
+            return store[key]
+
+    monkeypatch.setattr(cluster, "count", lambda: 2)
+    monkeypatch.setattr(cluster.jax, "process_index", lambda: me["index"])
+    monkeypatch.setattr(cluster.distributed.global_state, "client", Client())
+    monkeypatch.setattr(cluster, "_barriers", {})
+    assert cluster.from_primary("verdict", "NOT tied") == "NOT tied"
+    assert got == ["NOT tied"]  # the control's process 0 returns with this still empty
+    assert calls[-1][0] == 0 and [c for c in calls if c[0] == 1] == [
+        (1, "get", "twinstep/verdict/1"), (1, "set", "twinstep/verdict/1/read/1")], calls
+
+
 def test_a_process_other_than_0_loads_the_step_it_compiled_from_the_cache(tmp_path, monkeypatch):
     """`settings.compiled` in a process other than 0 (whose programs JAX's cache never holds):
     the first call compiles and writes an entry as JAX names its own (KEY-cache, KEY-atime);

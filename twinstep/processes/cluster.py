@@ -221,14 +221,21 @@ def barrier(name: str) -> None:
 
 def from_primary(name: str, value: str | None) -> str:
     """Process 0's ``value`` (a string; the others pass None) in every process, through the
-    runtime's key-value store, waited for as long as `barrier` waits."""
+    runtime's key-value store, waited for as long as `barrier` waits. Process 0 returns only
+    once every other process has said it holds the value, and the others' last call to the
+    runtime has then returned: process 0 hosts the runtime's service and may leave at once (a
+    failed run `os._exit`s), which would break a read still under way."""
     if count() == 1:
         return value
     client, key = _meeting(name)
     if is_primary():
         client.key_value_set(key, value)
+        for other in range(1, count()):
+            client.blocking_key_value_get(f"{key}/read/{other}", BARRIER_TIMEOUT_S * 1000)
         return value
-    return client.blocking_key_value_get(key, BARRIER_TIMEOUT_S * 1000)
+    value = client.blocking_key_value_get(key, BARRIER_TIMEOUT_S * 1000)
+    client.key_value_set(f"{key}/read/{jax.process_index()}", "1")
+    return value
 
 
 def _meeting(name: str) -> tuple:
