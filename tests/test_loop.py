@@ -111,7 +111,7 @@ def _timm_loop(model, recipe, res: int, moved: str = "", control: str = "none", 
                     timm_handover.HandedDropPath(m.drop_prob))
         if getattr(model, "drop_rate", 0.0) > 0:
             model.twinstep_dropout = timm_handover.HandedDropout(model.drop_rate,
-                                                                 model.classifier)
+                                                                 model.get_classifier())
             model.drop_rate = 0.0
     opt = timm_recipe.optimizer(model, recipe, control)
     sched, per = timm_recipe.scheduler(opt, recipe, control)

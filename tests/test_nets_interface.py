@@ -43,7 +43,7 @@ def test_masks_are_the_keywords_of_forward(net):
 
 
 def test_masks_of_each_net():
-    assert resnet50.MASKS == ("drop_path",)
+    assert resnet50.MASKS == ("drop_path", "dropout")
     assert mobilenetv4.MASKS == ("drop_path", "dropout")
 
 

@@ -68,28 +68,42 @@ def model_state(seed, dtype=jnp.float64, net=resnet50):
                                layers.init_buffers(shapes, dtype))
 
 
+def masks(rng, net, batch: int) -> dict:
+    """Drop-path masks [sites, N] at rate 0.3 and dropout masks [N, FEATURES] at 0.2, scaled by
+    1 / keep as `twinstep.step.draw_masks` draws them, each holding both values."""
+    drop_path = (rng.random((len(net.DROP_PATH_SITES), batch)) >= 0.3) / 0.7
+    dropout = (rng.random((batch, net.FEATURES)) >= 0.2) / 0.8
+    assert all(len(np.unique(m)) == 2 for m in (drop_path, dropout))
+    return {"drop_path": jnp.asarray(drop_path), "dropout": jnp.asarray(dropout)}
+
+
+# (net, res, N, masked): make test's ResNet-18 chain runs with drop-path and dropout masks,
+# ResNet-50's without: both chains, each block kind
 @pytest.mark.slow
-@pytest.mark.parametrize("name,res,batch", [
-    pytest.param("resnet50", 32, 2, marks=pytest.mark.all), ("resnet50", 32, 4),
-    pytest.param("resnet50", 64, 2, marks=pytest.mark.all),
-    pytest.param("resnet50", 64, 4, marks=pytest.mark.all), ("resnet18", 32, 4),
-    *(pytest.param(n, 32, 2, marks=pytest.mark.all) for n in ("resnet34", "resnet101",
-                                                              "resnet152"))])
-def test_explicit_chain_matches_jax_grad(name, res, batch, rng):
+@pytest.mark.parametrize("name,res,batch,masked", [
+    pytest.param(n, r, b, m, id=f"{n}-{r}-{b}{'-masked' if m else ''}",
+                 marks=() if (n, r, b) in (("resnet50", 32, 4), ("resnet18", 32, 4))
+                 else pytest.mark.all)
+    for n, r, b, m in [("resnet50", 32, 2, False), ("resnet50", 32, 4, False),
+                       ("resnet50", 64, 2, True), ("resnet50", 64, 4, False),
+                       ("resnet18", 32, 4, True), ("resnet34", 32, 2, False),
+                       ("resnet101", 32, 2, False), ("resnet152", 32, 2, False)]])
+def test_explicit_chain_matches_jax_grad(name, res, batch, masked, rng):
     net = NETS[name]
     params, buffers = model_state(res + batch, net=net)
     x = jnp.asarray(rng.standard_normal((batch, res, res, 3)))
     t = cases.soft_targets(rng, batch, K)
     ctx = layers.Ctx(precision=F64)
+    kw = masks(rng, net, batch) if masked else {}
     losses = {"ce": lambda z: loss.smoothed_ce(z, t),
               "bce": lambda z: loss.bce(z, loss.bce_targets(t, 0.1, 0.2))}
 
     def hand(p):
-        logits, tape, _ = net.forward(p, buffers, x, ctx)
+        logits, tape, _ = net.forward(p, buffers, x, ctx, **kw)
         return {k: net.backward(tape, f(logits)[1]) for k, f in losses.items()}
 
     def autodiff(p):
-        return {k: jax.grad(lambda p, f=f: f(net.forward(p, buffers, x, ctx)[0])[0])(p)
+        return {k: jax.grad(lambda p, f=f: f(net.forward(p, buffers, x, ctx, **kw)[0])[0])(p)
                 for k, f in losses.items()}
 
     ours, ref = dp.jit(hand, True)(params), dp.jit(autodiff, True)(params)  # -O0: same numerics
@@ -124,6 +138,55 @@ def test_parity_with_timm_f64(name, res, batch, loss_kind):
     assert r.worst_grad[1] <= 1e-8, r.worst_grad
     assert r.buffer_err <= 1e-9  # running buffers after one step equal timm's
     assert r.ok
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_drop_path_and_dropout_masks_act_where_timms_do():
+    """ResNet-18 with drop-path and dropout masks (f64, 32², N = 4, CE) against timm with the
+    same masks in place of its draws — each block's ``drop_path`` module, and a pre-hook on
+    ``fc`` for forward_head's F.dropout: train logits and every gradient. Controls: timm given
+    the dropout mask's rows in another order, or each drop-path mask one block late, is not
+    twinstep's."""
+    net, batch, rng = NETS["resnet18"], 4, np.random.default_rng(7)
+    params, buffers = model_state(3, net=net)
+    x = rng.standard_normal((batch, 32, 32, 3))
+    q = np.asarray(loss.smooth_targets(jnp.asarray(cases.soft_targets(rng, batch, K)),
+                                       loss.LABEL_SMOOTHING))
+    kw = masks(rng, net, batch)
+    ctx = layers.Ctx(precision=F64)
+
+    def ours(p):  # q smoothed already: smoothing it again would not change the comparison
+        logits, tape, _ = net.forward(p, buffers, jnp.asarray(x), ctx, **kw)
+        return logits, net.backward(tape, loss.smoothed_ce(logits, q, 0.0)[1])
+
+    logits, grads = dp.jit(ours, True)(params)
+
+    class MaskMul(torch.nn.Module):
+        def __init__(self, mask):
+            super().__init__()
+            self.mask = torch.tensor(np.asarray(mask))
+
+        def forward(self, y):
+            return y * self.mask.view(-1, 1, 1, 1)
+
+    def timms(site_shift: int = 0, row_shift: int = 0):
+        model = parity.to_timm(net, params, buffers, K).train()
+        drop_path = np.roll(np.asarray(kw["drop_path"]), site_shift, 0)
+        for prefix, mask in zip(net.DROP_PATH_SITES, drop_path, strict=True):
+            model.get_submodule(prefix).drop_path = MaskMul(mask)
+        tmask = torch.tensor(np.roll(np.asarray(kw["dropout"]), row_shift, 0))
+        model.fc.register_forward_pre_hook(lambda m, args: (args[0] * tmask,))
+        z = model(torch.tensor(x.transpose(0, 3, 1, 2)))
+        (-(torch.tensor(q) * torch.log_softmax(z, -1)).sum(-1).mean()).backward()
+        return z.detach().numpy(), {k: v.grad.numpy() for k, v in model.named_parameters()}
+
+    z, theirs = timms()
+    assert oracle.rel_err(logits, z) <= 1e-12
+    errs = {n: oracle.rel_err(grads[n], theirs[n]) for n in theirs}
+    assert len(errs) == 62 and max(errs.values()) <= 1e-10, max(errs.items(), key=lambda e: e[1])
+    for control in ({"site_shift": 1}, {"row_shift": 1}):
+        assert oracle.rel_err(logits, timms(**control)[0]) > 1e-3, control
 
 
 @pytest.mark.oracle

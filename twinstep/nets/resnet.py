@@ -13,7 +13,7 @@ of 32.
                 (+ shortcut: downsample.0 1x1/s -> downsample.1) -> ReLU
     bottleneck  conv1 1x1 -> bn1 -> ReLU -> conv2 3x3/s -> bn2 -> ReLU -> conv3 1x1 -> bn3
                 [-> drop-path] (+ shortcut as above) -> ReLU
-    head        global average pool -> fc FEATURES -> K
+    head        global average pool [-> dropout] -> fc FEATURES -> K
 
 v1.5: a bottleneck's stride sits on its 3x3, so its conv1/bn1 run at the INPUT grid.
 """
@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from twinstep.nets import layers
 from twinstep.nets.layers import ConvBN, Ctx, conv_bn_forward, conv_bn_vjp
-from twinstep.ops import dense
+from twinstep.ops import dense, elementwise
 
 STEM_WIDTH = 64
 STAGE_WIDTHS = (64, 128, 256, 512)  # a basic block's output; a bottleneck's middle width
@@ -56,6 +56,7 @@ class Tape(NamedTuple):
     pool: object
     blocks: list
     gap: tuple
+    dropout: object
     fc: tuple
 
 
@@ -63,7 +64,7 @@ class ResNet:
     """One row of `VARIANTS` as a `twinstep.nets.Net`."""
 
     INPUT_MULTIPLE = 32
-    MASKS = ("drop_path",)  # the keyword masks `forward` takes
+    MASKS = ("drop_path", "dropout")  # the keyword masks `forward` takes
     TRAIN_RES = 224  # timm's training resolution (the RSB A1/A2 recipes)
     DROP_PATH_RATE = 0.05  # the RSB recipes' stochastic depth
     LINEAR_INIT = "fan_in"  # fc as timm's ResNet leaves it: PyTorch's default (layers.py)
@@ -135,11 +136,13 @@ class ResNet:
         """timm's ``zero_init_last``: the last BN of each block starts with gamma = 0."""
         return self.branch_end_bns()
 
-    def forward(self, params: dict, buffers: dict, x, ctx: Ctx, *, drop_path=None):
+    def forward(self, params: dict, buffers: dict, x, ctx: Ctx, *, drop_path=None,
+                dropout=None):
         """x [N, H, W, 3] -> (logits [N, K], tape, stats {bn: BNStats} — empty in eval mode).
 
         drop_path: None, or per-example masks [len(DROP_PATH_SITES), N] (already scaled by
-        1 / keep) for the residual branches of `DROP_PATH_SITES`."""
+        1 / keep) for the residual branches of `DROP_PATH_SITES`; dropout: None, or a
+        per-element mask [N, FEATURES] (scaled) on fc's input (timm's ``drop_rate``)."""
         stats = {}
         x = x.astype(ctx.precision.dtype)
         y, stem = conv_bn_forward(params, buffers, ConvBN("conv1", "bn1"), x, stride=2, ctx=ctx,
@@ -151,13 +154,18 @@ class ResNet:
             y, t = self._block_forward(params, buffers, b, y, ctx=ctx, stats=stats, mask=mask)
             tapes.append(t)
         y, gap = layers.gap_forward(y, ctx=ctx)
+        m = None
+        if dropout is not None:
+            y, m = elementwise.mask_forward(y, dropout)
         logits, fc = dense.dense_forward(y, params["fc.weight"], params["fc.bias"])
-        return logits, Tape(tuple(params), stem, pool_tape, tapes, gap, fc), stats
+        return logits, Tape(tuple(params), stem, pool_tape, tapes, gap, m, fc), stats
 
     def backward(self, tape: Tape, dlogits) -> dict:
         """The explicit chain from d logits [N, K] to every parameter gradient (timm order)."""
         grads = {}
         dy, grads["fc.weight"], grads["fc.bias"] = dense.dense_vjp(tape.fc, dlogits)
+        if tape.dropout is not None:
+            dy = elementwise.mask_vjp(tape.dropout, dy)
         dy = layers.gap_vjp(tape.gap, dy)
         for t in reversed(tape.blocks):
             dy = _block_vjp(t, dy, grads)
