@@ -12,7 +12,7 @@
 # lease. Needs no network.
 #
 #   bash bench/gpu.sh [step] [hlo] [train]      # default: these three; from the repository root
-#   NETS=mnv4 bash bench/gpu.sh step hlo        # one net
+#   NETS=mnv4 bash bench/gpu.sh step hlo        # any nets of twinstep.nets.NETS (default: resnet50 mnv4)
 #   bash bench/gpu.sh feed                      # about 8 minutes on its own
 #   bash bench/gpu.sh profile                   # at most 9 minutes (150+270+100 s)
 #   STEP_ARGS=--recipe-res bash bench/gpu.sh step   # also each net at its recipe's resolution

@@ -101,6 +101,21 @@ def test_the_twin_counts_each_kernels_bytes_by_hand():
     assert summary["top"][0]["name"] == "loop_add_fusion"
 
 
+def test_the_lease_scripts_take_every_net_of_the_catalogue(capsys):
+    """`NETS=... bash bench/gpu.sh step hlo` for any net: bench/gpu/step.py and bf16_hlo.py take
+    every net of `twinstep.nets.NETS` (here, without a GPU, each then exits 2 saying so, after
+    its arguments); a net outside it is refused by the argument parser."""
+    from bench.gpu import bf16_hlo, step
+    from twinstep.nets import NETS
+
+    for script in (step, bf16_hlo):
+        assert script.main(["--nets", *NETS]) == 2
+        assert capsys.readouterr().err.startswith("no GPU")
+        with pytest.raises(SystemExit):
+            script.main(["--nets", "vgg16"])
+        assert "invalid choice: 'vgg16'" in capsys.readouterr().err
+
+
 def test_a_lease_lever_name_reads_as_a_levers_field():
     assert twin._lever("crop_unread=False") == {"crop_unread": False}
     assert twin._lever("bn_moments=one-pass") == {"bn_moments": "one-pass"}

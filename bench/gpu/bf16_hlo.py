@@ -25,9 +25,9 @@ import sys
 
 import jax
 
+from twinstep.nets import NETS
 from twinstep.rendering import render, stablehlo
 
-NAMES = {"resnet50": "resnet50in_adamdp8bf16", "mnv4": "mnv4in_adamdp8bf16"}
 _DTYPE = r"(bf16|f16|f32|f64)\[[\d,]*\]"
 
 
@@ -68,7 +68,8 @@ def check(optimized: str, expected: int) -> tuple[bool, collections.Counter, int
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nets", nargs="+", default=list(NAMES), choices=list(NAMES))
+    p.add_argument("--nets", nargs="+", default=["resnet50", "mnv4"], choices=list(NETS),
+                   help="any of the catalogue's nets (default: resnet50 mnv4)")
     p.add_argument("--hlo-dir", help="also write each optimized HLO module there")
     args = p.parse_args(argv)
     if render.local_platform() not in ("cuda", "rocm"):
@@ -78,13 +79,14 @@ def main(argv=None) -> int:
         os.makedirs(args.hlo_dir, exist_ok=True)
     ok = True
     for net in args.nets:
-        cfg = render.RenderConfig(NAMES[net], 1, res=64, classes=1000, precision="bf16")
+        recipe = f"{net}in_adamdp8bf16"
+        cfg = render.RenderConfig(recipe, 1, res=64, classes=1000, precision="bf16")
         exported = render.export_step(cfg).exported
         expected = len(stablehlo.convolutions(exported.mlir_module()))
         compiled = jax.jit(exported.call).lower(*exported.in_avals).compile()
         optimized = compiled.as_text()
         if args.hlo_dir:
-            with open(f"{args.hlo_dir}/{NAMES[net]}.optimized.hlo", "w") as f:
+            with open(f"{args.hlo_dir}/{recipe}.optimized.hlo", "w") as f:
                 f.write(optimized)
         net_ok, counts, accounted = check(optimized, expected)
         ok = ok and net_ok

@@ -59,6 +59,7 @@ if __name__ == "__main__":
     deviceless_env()
 from bench.gpu.kernel_profile import CATEGORIES, LEVERS, category  # noqa: E402
 from twinstep import program  # noqa: E402
+from twinstep.nets import NETS  # noqa: E402
 from twinstep.ops.levers import Levers  # noqa: E402
 
 # XLA's GpuTargetConfig fields for the GPUs the leases lend, from NVIDIA's datasheets (SXM
@@ -394,8 +395,8 @@ def results_table(twins: list[dict]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nets", nargs="+", default=["resnet50", "mnv4"],
-                   choices=["resnet50", "mnv4"])
+    p.add_argument("--nets", nargs="+", default=["resnet50", "mnv4"], choices=list(NETS),
+                   help="any of the catalogue's nets (default: resnet50 mnv4)")
     p.add_argument("--batch", type=int, default=512, help="examples a step (default 512)")
     p.add_argument("--res", type=int, default=224, help="image side (default 224)")
     p.add_argument("--classes", type=int, default=1000)

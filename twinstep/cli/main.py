@@ -56,7 +56,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     chosen = command_of(sys.argv[1:] if argv is None else argv)
     p = Parser(
         prog="twinstep",
-        description="Data-parallel ResNet-50 and MobileNetV4-Conv-M with synchronised BatchNorm, "
+        description="Data-parallel ResNets and MobileNetV4-Conv-M with synchronised BatchNorm, "
                     "checked parameter by parameter against the single-device step at R*N.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Run 'twinstep COMMAND --help' for a command's options.\n\n"
