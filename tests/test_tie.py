@@ -10,8 +10,9 @@ among them, can see) and MobileNetV4 in bf16 at R = 2. It sees every control fai
 ResNet-50: `sum`, `shard-gamma` and `unsynced` here (sharing the R = 2 single-device
 program), each by at least CONTROL_MARGIN times its bound, `divisor-plus-one` in the f32 and
 bf16 ties, `wrong-divisor` as a broken render tied across processes (tests/test_hosts.py). The
-rest of the matrix (every R x loss x net, every control on MNv4 and the others here on
-ResNet-50 in f64, the bf16 sweep, the sweep's random draws) is marked ``all``
+rest of the matrix (every R x loss x net — every row of the ResNet table too, each also in
+bf16 and under every control — every control on MNv4 and the others here on ResNet-50 in f64,
+the bf16 sweep, the sweep's random draws) is marked ``all``
 (`make test-all`). Every tie here compiles at -O0 (`run`).
 """
 
@@ -33,7 +34,10 @@ from twinstep.ops.levers import Levers
 
 GPU = Levers.of("gpu")  # `twinstep tie --gpu-levers`
 
-COUNTS = {"resnet50": (161, 53), "mnv4": (233, 77)}  # parameter tensors, BN sites
+# parameter tensors, BN sites
+COUNTS = {"resnet18": (62, 20), "resnet34": (110, 36), "resnet50": (161, 53),
+          "resnet101": (314, 104), "resnet152": (467, 155), "mnv4": (233, 77)}
+OTHER_RESNETS = ("resnet18", "resnet34", "resnet101", "resnet152")  # beside ResNet-50
 ALL = pytest.mark.all
 
 
@@ -135,6 +139,18 @@ def test_mnv4_ties_f64(replicas, loss):
 
 
 @pytest.mark.slow
+@ALL  # make test ties ResNet-18 at R = 2 under CE (the README's example, test_api.py)
+@pytest.mark.parametrize("net", OTHER_RESNETS)
+@pytest.mark.parametrize("replicas,loss", [(r, lo) for r in (2, 4) for lo in ("ce", "bce")])
+def test_every_resnet_ties_f64(net, replicas, loss):
+    """Every other row of the ResNet table at R = 2 and 4 under both losses, each bound at its
+    floor or 10 x SENSITIVITY (no cap claimed: at 32² layer4's BNs normalise R N rows)."""
+    r = run(net=net, replicas=replicas, loss=loss)
+    assert_tied(r)
+    assert_f64_bounds(r)
+
+
+@pytest.mark.slow
 @ALL  # R = 3 in `make test`: the sweep's explicit example
 def test_resnet50_ties_three_replicas():
     assert_tied(run(net="resnet50", replicas=3, batch=2))
@@ -224,14 +240,15 @@ STORING = Levers.chosen(gpu=True, store="bf16", relu_mask="bits")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("net, replicas", matrix(("resnet50", 2), ("resnet50", 4), ("mnv4", 2),
-                                                 ("mnv4", 4), keep=[("resnet50", 2), ("mnv4", 2)]))
+@pytest.mark.parametrize("net, replicas", matrix(
+    ("resnet50", 2), ("resnet50", 4), ("mnv4", 2), ("mnv4", 4),
+    *((n, 2) for n in OTHER_RESNETS), keep=[("resnet50", 2), ("mnv4", 2)]))
 def test_bf16_ties_at_the_partial_sum_boundary(net, replicas):
     """bf16 (inputs.tie_precision): every conv weight gradient within the bf16 boundary
     (docs/tie.md#bf16) elementwise, and that boundary is what separates the two programs — the
     error is of its size, not far below it; everything else ties at the f64 bounds; a control
     still fails. Both programs are built as a GPU's (docs/precision.md#gpu-levers: cuDNN's conv
-    paths and the adopted levers), as bf16 runs on a GPU; ResNet-50's also store every
+    paths and the adopted levers), as bf16 runs on a GPU; the ResNets' also store every
     activation and cotangent in bf16 between ops and keep each ReLU's mask as bits (`STORING`:
     the rounding points act elementwise on values both programs compute alike, and a packed
     mask is the same mask, so the same bounds hold at its residual adds, cotangent sums, pooled
@@ -240,7 +257,8 @@ def test_bf16_ties_at_the_partial_sum_boundary(net, replicas):
     run slowest of all on XLA:CPU, in time that grows with the rows. MNv4 at R = 2, N = 2 holds
     a structural zero (a channel of blocks.3.7 exactly 0 on the single device, rounding noise
     on the replicas), which the bound once took for a bug."""
-    levers = STORING if net == "resnet50" else GPU
+    resnet = net.startswith("resnet")
+    levers = STORING if resnet else GPU
     r = run(net=net, precision="bf16", replicas=replicas, batch=1 if net == "mnv4" else None,
             levers=levers)
     assert_tied(r)
@@ -249,7 +267,7 @@ def test_bf16_ties_at_the_partial_sum_boundary(net, replicas):
     assert max(p["rel_err"] for p in convs) > 0.1 * max(p["bound"] for p in convs) > 0
     rest = [p for p in r.parameters if len(p["shape"]) != 4]
     assert all(p["rel_err"] <= 1e-10 for p in rest)
-    if net == "resnet50":  # the bf16 bound still sees a bug (MNv4's controls: test-all).
+    if resnet:  # the bf16 bound still sees a bug (MNv4's controls: test-all).
         # divisor-plus-one (every gradient off by 1/(R(N+1)): 17% at R = 2) leaves the forward
         # alone, so the BN statistics cannot see it (unlike unsynced, caught by them whatever
         # the conv bound says): every conv weight gradient must fail its elementwise bf16 bound
