@@ -158,6 +158,14 @@ def test_unknown_net_names_the_nets_and_datasets():
         f"with <net> one of: {', '.join(NETS)} and <data> one of: {', '.join(recipes.DATASETS)}")
 
 
+def test_the_seeds_spelling_of_resnet34s_step():
+    """The seeds' system names ResNet-34's ImageNet step `resnet34in_momdp128`: here the same
+    name is that recipe, at timm's training resolution."""
+    r = parse("resnet34in_momdp128")
+    assert (r.net, r.dataset, r.optimizer, r.batch, r.train_res) == (
+        "resnet34", "in", "momentum", 128, 224)
+
+
 # issue #67's catalogue in the recipe spelling: some names prefix others (mnv4 of mnv4s)
 FUTURE_NETS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "mobilenetv2",
                "efficientnet", "mnv4", "mnv4s", "mnv4l")
