@@ -32,7 +32,9 @@ def op_cases(rng, count):
             cases.maxpool_case(rng, n, 5, 3), cases.gap_case(rng, n, 4, 3),
             cases.dense_case(rng, n, 6, 5), cases.add_case(rng, n, 3, 2),
             cases.mask_case(rng, n, 3, 2, per_example=True),
-            cases.mask_case(rng, n, 3, 2, per_example=False)]
+            cases.mask_case(rng, n, 3, 2, per_example=False), cases.relu6_case(rng, n, 4, 3),
+            cases.silu_case(rng, n, 4, 3), cases.sigmoid_case(rng, n, 5),
+            cases.gate_case(rng, n, 3, 4), cases.bias_case(rng, n, 3, 4)]
 
 
 @pytest.mark.parametrize("count", REPLICAS)

@@ -96,12 +96,18 @@ def test_batchnorm_eval(n, h, c, seed):
     certify(cases.bn_eval_case(np.random.default_rng(seed), n, h, c), seed)
 
 
-@settings(max_examples=36)  # six ops share the draws
+@settings(max_examples=66)  # eleven ops share the draws
 @given(n=batch, h=spatial, c=channels, seed=seed,
-       op=st.sampled_from(["relu", "maxpool", "gap", "add", "drop-path", "dropout"]))
+       op=st.sampled_from(["relu", "maxpool", "gap", "add", "drop-path", "dropout", "relu6",
+                           "silu", "sigmoid", "gate", "bias"]))
 def test_elementwise_and_pooling(n, h, c, seed, op):
     rng = np.random.default_rng(seed)
     case = {"relu": lambda: cases.relu_case(rng, n, h, c),
+            "relu6": lambda: cases.relu6_case(rng, n, h, c),
+            "silu": lambda: cases.silu_case(rng, n, h, c),
+            "sigmoid": lambda: cases.sigmoid_case(rng, n, c),
+            "gate": lambda: cases.gate_case(rng, n, h, c),
+            "bias": lambda: cases.bias_case(rng, n, h, c),
             "maxpool": lambda: cases.maxpool_case(rng, n, h, c),
             "gap": lambda: cases.gap_case(rng, n, h, c),
             "add": lambda: cases.add_case(rng, n, h, c),

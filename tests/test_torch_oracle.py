@@ -8,7 +8,7 @@ import pytest
 from oracle_libs import F, timm, torch
 
 from twinstep.checking import oracle
-from twinstep.ops import batchnorm, conv, loss, pool
+from twinstep.ops import activation, batchnorm, conv, elementwise, loss, pool
 from twinstep.ops.precision import F64
 
 TOL = 1e-12
@@ -21,6 +21,48 @@ def nchw(a):
 
 def nhwc(t):
     return t.detach().numpy().transpose(0, 2, 3, 1)
+
+
+def _ours(op, x, g, b, dy):
+    """(y, the input cotangents) of twinstep's op ``op`` at NHWC x, gate g [N, C], bias b [C]."""
+    x, g, b, dy = map(jnp.asarray, (x, g, b, dy))
+    if op in ("relu6", "silu"):
+        y, res = getattr(activation, f"{op}_forward")(x)
+        return y, (getattr(activation, f"{op}_vjp")(res, dy),)
+    if op == "sigmoid":
+        y, s = activation.sigmoid_forward(x)
+        return y, (activation.sigmoid_vjp(s, dy),)
+    if op == "gate":
+        y, res = elementwise.gate_forward(x, g)
+        return y, elementwise.gate_vjp(res, dy)
+    return elementwise.bias_forward(x, b), elementwise.bias_vjp(dy)
+
+
+@pytest.mark.parametrize("op", ["relu6", "silu", "sigmoid", "gate", "bias"])
+def test_the_mobile_nets_ops_match_torch(op, rng):
+    """ReLU6 (F.relu6, whose gradient is 0 at both edges: x = 0 and 6 are in the draw), SiLU,
+    the sigmoid, squeeze-excite's gate x * g[:, :, None, None] and a convolution's bias, each
+    against torch autograd: forward and every input's gradient. Control: ReLU6's gradient taken
+    as 1 at x = 6 (a mask x <= 6) differs from torch's there."""
+    x = 4 * rng.standard_normal((2, 5, 5, 8))
+    x[0, 0, 0, :2] = (0.0, 6.0)  # the edges, where a mask with <= differs
+    g, b, dy = rng.uniform(size=(2, 8)), rng.standard_normal(8), rng.standard_normal(x.shape)
+    y, grads = _ours(op, x, g, b, dy)
+    tx = nchw(x)
+    tg, tb = (torch.tensor(v, requires_grad=True) for v in (g, b))
+    ty = {"relu6": lambda: F.relu6(tx), "silu": lambda: F.silu(tx),
+          "sigmoid": lambda: torch.sigmoid(tx), "gate": lambda: tx * tg[:, :, None, None],
+          "bias": lambda: tx + tb[None, :, None, None]}[op]()
+    ty.backward(torch.tensor(dy.transpose(0, 3, 1, 2)))
+    theirs = [nhwc(tx.grad), *([tg.grad.numpy()] if op == "gate" else []),
+              *([tb.grad.numpy()] if op == "bias" else [])]
+    assert oracle.rel_err(y, nhwc(ty)) < TOL
+    assert len(grads) == len(theirs)
+    for ours, ref in zip(grads, theirs, strict=True):
+        assert oracle.rel_err(ours, ref) < TOL
+    if op == "relu6":
+        wrong = jnp.where((jnp.asarray(x) > 0) & (jnp.asarray(x) <= 6), jnp.asarray(dy), 0.0)
+        assert oracle.rel_err(wrong, nhwc(tx.grad)) > 1e-3
 
 
 @pytest.mark.parametrize("k,s", [(1, 1), (1, 2), (3, 1), (3, 2), (5, 2), (7, 2)])

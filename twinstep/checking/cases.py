@@ -112,6 +112,37 @@ def relu_case(rng, n, h, c) -> Case:
                 lambda res, dy: ((activation.relu_vjp(res, dy),), ()), (x,))
 
 
+def relu6_case(rng, n, h, c) -> Case:
+    x = 4 * normal(rng, (n, h, h, c))  # some above 6 too
+    return Case("relu6", lambda rep, b, m, p: activation.relu6_forward(b[0]),
+                lambda res, dy: ((activation.relu6_vjp(res, dy),), ()), (x,))
+
+
+def silu_case(rng, n, h, c) -> Case:
+    x = 2 * normal(rng, (n, h, h, c))
+    return Case("silu", lambda rep, b, m, p: activation.silu_forward(b[0]),
+                lambda res, dy: ((activation.silu_vjp(res, dy),), ()), (x,))
+
+
+def sigmoid_case(rng, n, c) -> Case:
+    x = 2 * normal(rng, (n, c))  # squeeze-excite's gate acts on the pooled [N, C]
+    return Case("sigmoid", lambda rep, b, m, p: activation.sigmoid_forward(b[0]),
+                lambda res, dy: ((activation.sigmoid_vjp(res, dy),), ()), (x,))
+
+
+def gate_case(rng, n, h, c) -> Case:
+    x, g = normal(rng, (n, h, h, c)), jnp.asarray(rng.uniform(size=(n, c)))
+    return Case("squeeze-excite gate", lambda rep, b, m, p: elementwise.gate_forward(*b),
+                lambda res, dy: (elementwise.gate_vjp(res, dy), ()), (x, g))
+
+
+def bias_case(rng, n, h, c) -> Case:
+    x, b = normal(rng, (n, h, h, c)), normal(rng, (c,))
+    return Case("bias", lambda rep, bt, m, p: (elementwise.bias_forward(bt[0], p[0]), None),
+                lambda res, dy: ((elementwise.bias_vjp(dy)[0],), (elementwise.bias_vjp(dy)[1],)),
+                (x,), (), (b,))
+
+
 def maxpool_case(rng, n, h, c) -> Case:
     x = normal(rng, (n, h, h, c))
     return Case("maxpool 3x3/2", lambda rep, b, m, p: pool.maxpool_forward(b[0]),
@@ -194,4 +225,6 @@ def all_cases(rng, n=2, h=5, c=3):
               add_case(rng, n, h, c), mask_case(rng, n, h, c, per_example=True),
               mask_case(rng, n, h, c, per_example=False), loss_case(rng, n, 5, "ce"),
               loss_case(rng, n, 5, "bce")]
+    cases += [relu6_case(rng, n, h, c), silu_case(rng, n, h, c), sigmoid_case(rng, n, c),
+              gate_case(rng, n, h, c), bias_case(rng, n, h, c)]
     return cases

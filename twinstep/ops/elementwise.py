@@ -1,4 +1,5 @@
-"""Residual add and the regularisers' masks (drop-path per example, dropout per element).
+"""Residual add, a bias, squeeze-excite's gate, and the regularisers' masks (drop-path per
+example, dropout per element).
 
 Masks are explicit inputs, already scaled by 1 / keep (timm's ``scale_by_keep``), so they can be
 drawn once for the GLOBAL batch and sharded with it: a replica must not draw its own.
@@ -17,6 +18,28 @@ def add_forward(a, b):
 def add_vjp(dy):
     """(da, db): the residual add passes its cotangent to both branches."""
     return dy, dy
+
+
+def bias_forward(x, b):
+    """x [..., C] + b [C] (a convolution's bias, squeeze-excite's 1x1 convolutions')."""
+    return x + b
+
+
+def bias_vjp(dy):
+    """(dx, db): db [C] sums dy [..., C] over every axis but the channels."""
+    return dy, jnp.sum(dy, axis=tuple(range(dy.ndim - 1)))
+
+
+def gate_forward(x, g):
+    """x [N, H, W, C] * g [N, C], each example's channels scaled by its own gate (squeeze-excite:
+    g the sigmoid of the pooled branch) -> (y, (x, g))."""
+    return x * g[:, None, None, :], (x, g)
+
+
+def gate_vjp(res, dy):
+    """(dx [N, H, W, C], dg [N, C]): dg sums dy x over each example's grid."""
+    x, g = res
+    return dy * g[:, None, None, :], jnp.sum(dy * x, axis=(1, 2))
 
 
 def _broadcast_mask(mask, x):
