@@ -98,7 +98,7 @@ def conv_bn_vjp(tape: ConvBNTape, dy, grads: dict):
 class ResidualTape(NamedTuple):
     drop: jax.Array | None  # the drop-path mask's residual, or None
     relu: jax.Array | None  # the ReLU's mask after the add, or None
-    store: str  # the levers' store (`Levers.store`)
+    levers: Levers  # the forward's (its store: the backward stores alike)
 
 
 def residual_forward(branch, shortcut, *, ctx: Ctx, mask=None, relu: bool = False):
@@ -110,7 +110,7 @@ def residual_forward(branch, shortcut, *, ctx: Ctx, mask=None, relu: bool = Fals
     y, kept = elementwise.add_forward(branch, shortcut), None
     if relu:
         y, kept = activation.relu_forward(y, ctx.levers.relu_mask)
-    return ctx.stored(y), ResidualTape(drop, kept, ctx.levers.store)
+    return ctx.stored(y), ResidualTape(drop, kept, ctx.levers)
 
 
 def residual_vjp(tape: ResidualTape, dy):
@@ -119,43 +119,43 @@ def residual_vjp(tape: ResidualTape, dy):
         dy = activation.relu_vjp(tape.relu, dy)
     d_branch, d_shortcut = elementwise.add_vjp(dy)
     if tape.drop is not None:
-        d_branch = stored(elementwise.mask_vjp(tape.drop, d_branch), tape.store)
+        d_branch = stored(elementwise.mask_vjp(tape.drop, d_branch), tape.levers.store)
     return d_branch, d_shortcut
 
 
 def fork_vjp(tape: ResidualTape, d_from_branch, d_from_shortcut):
     """The cotangent of a block's input, which its branch and its shortcut both read: the sum
     of the two, stored."""
-    return stored(d_from_branch + d_from_shortcut, tape.store)
+    return stored(d_from_branch + d_from_shortcut, tape.levers.store)
 
 
 class PoolTape(NamedTuple):
     res: object  # the pool op's residuals
-    store: str  # the levers' store (`Levers.store`)
+    levers: Levers  # the forward's (its store: the backward stores alike)
 
 
 def maxpool_forward(x, *, ctx: Ctx):
     """3x3/2 max-pool (`twinstep.ops.pool`); returns (y, tape). Its output is not stored
     again: its values are its stored input's."""
     y, res = pool.maxpool_forward(x)
-    return y, PoolTape(res, ctx.levers.store)
+    return y, PoolTape(res, ctx.levers)
 
 
 def maxpool_vjp(tape: PoolTape, dy):
     """dx of `maxpool_forward`, stored."""
-    return stored(pool.maxpool_vjp(tape.res, dy), tape.store)
+    return stored(pool.maxpool_vjp(tape.res, dy), tape.levers.store)
 
 
 def gap_forward(x, *, ctx: Ctx):
     """Global average pool x [N, H, W, C] -> [N, C]; returns (y, tape). Not stored: the head
     reads it at once."""
     y, res = pool.gap_forward(x)
-    return y, PoolTape(res, ctx.levers.store)
+    return y, PoolTape(res, ctx.levers)
 
 
 def gap_vjp(tape: PoolTape, dy):
     """dx [N, H, W, C] of `gap_forward`, stored."""
-    return stored(pool.gap_vjp(tape.res, dy), tape.store)
+    return stored(pool.gap_vjp(tape.res, dy), tape.levers.store)
 
 
 def bn_names(param_shapes: dict) -> list[str]:

@@ -57,7 +57,7 @@ def build(cfg, export, mlir: str) -> dict:
         "parameters": {"tensors": len(shapes),
                        "scalars": int(sum(math.prod(s) for s in shapes.values()))},
         "mesh": {"axis": dp.AXIS, "size": cfg.replicas},
-        "depthwise_path": export.depthwise_path,
+        "depthwise_path": export.levers.depthwise_path,
         "inputs": _io(names + ["xs", "ts", "key"], exported.in_avals, export.in_specs),
         "outputs": _io(names + ["loss", "lr"], exported.out_avals,
                        [[]] * (len(names) + 2)),

@@ -151,7 +151,7 @@ class Export:
     recipe: recipes.Recipe
     res: int
     precision: str
-    depthwise_path: str
+    levers: Levers  # both programs' (the manifest states its depthwise path)
     names: list  # the state leaves' names (`step.state_names`)
     in_specs: list  # a PartitionSpec per input, as JSON lists ([] = replicated)
 
@@ -193,7 +193,7 @@ def export_step(cfg: RenderConfig, single: bool = False) -> Export:
         if (a.shape, a.dtype) != (b.shape, b.dtype):  # the step must map a state onto its own type
             raise AssertionError(f"{n}: the step takes {a.dtype}{list(a.shape)} and returns "
                                  f"{b.dtype}{list(b.shape)}")
-    return Export(exported, recipe, cfg.res, prec.name, levers.depthwise_path, names,
+    return Export(exported, recipe, cfg.res, prec.name, levers, names,
                   [list(sp) for sp in made.in_specs])
 
 
