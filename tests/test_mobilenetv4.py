@@ -1,7 +1,8 @@
 """MobileNetV4-Conv-M against its two oracles, in float64: ``jax.grad`` of the same forward
 (the explicit chain, every parameter) and timm's ``mobilenetv4_conv_medium`` in PyTorch (names,
 shapes, logits in train and eval mode, all 233 gradients, running buffers, drop-path and dropout
-masks, f32), plus two wrong nets that the timm parity must catch.
+masks, f32), plus two wrong nets that the timm parity must catch; and every table of the family
+(Conv-S, -M, -L) against timm's modules, and Conv-S's and -L's parity.
 
 Compile time dominates (the shift-path depthwise VJPs make ~1,600 XLA:CPU kernels per step), so
 each input shape is compiled ONCE, as one function returning everything the tests compare, with
@@ -28,8 +29,7 @@ from oracle_libs import timm, torch
 
 from twinstep.checking import parity
 from twinstep.dp import compiler_options
-from twinstep.nets import layers
-from twinstep.nets import mobilenetv4 as net
+from twinstep.nets import NETS, layers, mobilenetv4
 from twinstep.ops import loss
 from twinstep.ops.precision import F32, F64
 
@@ -70,6 +70,7 @@ SHAPE_PARAMS = shape_params(IN_MAKE_TEST)
 # shares the forward's rounding and still holds 1e-10; eval mode and the buffers keep theirs.
 ILL_CONDITIONED = (32, 2, False)
 
+net = NETS["mnv4"]
 SHAPES_K = net.param_shapes(K)
 TRAIN, EVAL = layers.Ctx(precision=F64), layers.Ctx(precision=F64, train=False)
 
@@ -253,29 +254,48 @@ def check_grads(grads, reference, res, drop_path, tol):
 # ------------------------------------------------------------------------ names and schedule
 
 
-@pytest.mark.oracle
-def test_param_and_buffer_names_match_timm():
+# per table: parameter tensors, scalars at K = 1000, 1-D tensors, BNs, blocks, ExtraDW blocks,
+# drop-path sites (timm 1.0.31's counts)
+FAMILY_COUNTS = {"mnv4s": (140, 3_774_024, 93, 46, 17, 3, 10),
+                 "mnv4": (233, 9_715_512, 155, 77, 23, 13, 18),
+                 "mnv4l": (308, 32_590_864, 205, 102, 28, 19, 23)}
+FAMILY = [pytest.param(NETS[n], id=n) for n in mobilenetv4.VARIANTS]
 
-    model = timm.create_model(net.TIMM_NAME, num_classes=K)
+
+def test_the_family_is_its_tables():
+    assert set(FAMILY_COUNTS) == set(mobilenetv4.VARIANTS)
+    for name, (tensors, scalars, one_d, bns, blocks, extra_dw, sites) in FAMILY_COUNTS.items():
+        table = NETS[name]
+        full = table.param_shapes()
+        assert (len(full), sum(int(np.prod(s)) for s in full.values()),
+                sum(len(s) == 1 for s in full.values()), len(layers.bn_names(full))) == (
+                    tensors, scalars, one_d, bns), name
+        assert (len(table.blocks()), sum(len(b.layers) == 4 for b in table.blocks()),
+                len(table.DROP_PATH_SITES)) == (blocks, extra_dw, sites), name
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("table", FAMILY)
+def test_param_and_buffer_names_match_timm(table):
+    model = timm.create_model(table.TIMM_NAME, num_classes=K)
+    shapes = table.param_shapes(K)
     theirs_ = [(k, tuple(v.shape)) for k, v in model.named_parameters()]
-    assert list(SHAPES_K.items()) == theirs_
-    full = net.param_shapes()
-    assert len(full) == 233 and sum(int(np.prod(s)) for s in full.values()) == 9_715_512
-    assert sum(len(s) == 1 for s in full.values()) == 155
-    assert len(layers.bn_names(full)) == 77
+    assert list(shapes.items()) == theirs_
     running = [(k, tuple(v.shape)) for k, v in model.named_buffers() if "running" in k]
-    assert list(layers.buffer_shapes(SHAPES_K).items()) == running and len(running) == 154
-    assert net.FEATURES == model.head_hidden_size and net.HEAD_WIDTH == model.num_features
+    assert list(layers.buffer_shapes(shapes).items()) == running
+    assert len(running) == 2 * FAMILY_COUNTS[table.NAME][3]
+    assert table.FEATURES == model.head_hidden_size
+    assert mobilenetv4.HEAD_WIDTH == model.num_features
 
 
 @pytest.mark.oracle
-def test_blocks_table_matches_timm():
+@pytest.mark.parametrize("table", FAMILY)
+def test_blocks_table_matches_timm(table):
     """Every layer's kernel, stride, groups, activation and every block's skip, from timm's
     modules (the table decodes to what timm builds)."""
-    model = timm.create_model(net.TIMM_NAME, num_classes=K)
-    assert len(net.blocks()) == len([m for s in model.blocks for m in s]) == 23
-    assert sum(len(b.layers) == 4 for b in net.blocks()) == 13  # ExtraDW: both depthwise
-    for b in net.blocks():
+    model = timm.create_model(table.TIMM_NAME, num_classes=K)
+    assert len(table.blocks()) == len([m for s in model.blocks for m in s])
+    for b in table.blocks():
         block = model.get_submodule(b.prefix)
         assert getattr(block, "has_skip", False) == b.skip, b.prefix
         for la in b.layers:
@@ -289,14 +309,14 @@ def test_blocks_table_matches_timm():
 
 
 @pytest.mark.oracle
-def test_drop_path_sites_and_rates_match_timm():
-
+@pytest.mark.parametrize("table", FAMILY)
+def test_drop_path_sites_and_rates_match_timm(table):
     rate = 0.23
-    model = timm.create_model(net.TIMM_NAME, num_classes=K, drop_path_rate=rate)
+    model = timm.create_model(table.TIMM_NAME, num_classes=K, drop_path_rate=rate)
     sites = [f"blocks.{i}.{j}" for i, s in enumerate(model.blocks) for j, m in enumerate(s)
              if getattr(m, "has_skip", False)]
-    assert list(net.DROP_PATH_SITES) == sites and len(sites) == 18
-    np.testing.assert_allclose(net.drop_path_rates(rate),
+    assert list(table.DROP_PATH_SITES) == sites
+    np.testing.assert_allclose(table.drop_path_rates(rate),
                                [model.get_submodule(s).drop_path.drop_prob for s in sites],
                                rtol=1e-15)
 
@@ -406,8 +426,51 @@ def test_wrong_nets_fail_timm_parity(control, monkeypatch):
     res, n, masked = SHAPES[1]
     params, buffers = weights()
     x = batch(res, n, masked)[0]
-    monkeypatch.setattr(net, "_uib", control(net._uib))
-    assert net.param_shapes(K) == SHAPES_K  # same tensors: only the wiring differs
-    z = jax.jit(lambda p, b, x: net.forward(p, b, x, TRAIN)[0], compiler_options=_fast())(
+    monkeypatch.setattr(mobilenetv4, "_uib", control(mobilenetv4._uib))
+    wrong = mobilenetv4.MobileNetV4("mnv4")
+    assert wrong.param_shapes(K) == SHAPES_K  # same tensors: only the wiring differs
+    z = jax.jit(lambda p, b, x: wrong.forward(p, b, x, TRAIN)[0], compiler_options=_fast())(
         params, buffers, x)
     assert logit_err(z, theirs(res, n, masked, "ce")[0]) > CONTROL_MIN_ERR
+
+
+# ------------------------------------------------------------- the other tables against timm
+
+# Conv-S (its cn blocks: a second table) in `make test`; Conv-L and the other shapes in test-all.
+# Conv-L at 32², N = 4 is the worst conditioned: 28 blocks down to a 1 x 1 grid amplify f64's
+# rounding to a gradient error of 2.2e-9 (its dw_start convs of stage 3), 3.4e-11 at 64², N = 2.
+OTHER_PARITY = [pytest.param("mnv4s", 32, 4, "ce"),
+                *(pytest.param(*c, marks=pytest.mark.all)
+                  for c in (("mnv4s", 64, 2, "bce"), ("mnv4l", 32, 4, "ce"),
+                            ("mnv4l", 64, 2, "bce")))]
+
+
+@pytest.mark.parametrize("name,res,n,kind", OTHER_PARITY)
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_other_tables_match_timm(name, res, n, kind):
+    """`twinstep parity` (f64): train and eval logits, every gradient, the running buffers."""
+    table = NETS[name]
+    r = parity.run_parity(table, res=res, batch=n, precision="f64", loss=kind, num_classes=K,
+                          seed=1, fast_compile=True)
+    assert len(r.grad_errs) == len(table.param_shapes(K))
+    assert r.logits_train_err <= TOL_LOGITS and r.logits_eval_err <= TOL_LOGITS
+    assert r.worst_grad[1] <= TOL_GRAD and r.buffer_err <= TOL_BUF and r.ok
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_a_misread_small_table_fails_timm_parity(monkeypatch):
+    """Conv-S's cn blocks read as conv -> BN without the ReLU: same tensors, another net."""
+    block_layers = mobilenetv4._block_layers
+
+    def no_act_in_cn(kind, *args, **kw):
+        out = block_layers(kind, *args, **kw)
+        return tuple(la._replace(relu=False) for la in out) if kind == "cn" else out
+
+    monkeypatch.setattr(mobilenetv4, "_block_layers", no_act_in_cn)
+    wrong = mobilenetv4.MobileNetV4("mnv4s")
+    assert wrong.param_shapes(K) == NETS["mnv4s"].param_shapes(K)
+    r = parity.run_parity(wrong, res=32, batch=4, precision="f64", loss="ce", num_classes=K,
+                          seed=1, fast_compile=True)
+    assert not r.ok and r.logits_train_err > CONTROL_MIN_ERR

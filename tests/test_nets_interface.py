@@ -14,7 +14,7 @@ from twinstep.ops import loss
 NET_MODULES = list(NETS.values())  # the registry is the list of nets
 resnet50 = NETS["resnet50"]
 # the init's check against timm in make test: one net of each family and block kind
-INIT_IN_MAKE_TEST = ("resnet18", "resnet50", "mnv4")
+INIT_IN_MAKE_TEST = ("resnet18", "resnet50", "mnv4", "efficientnet")  # each init kind
 # the protocol's members, read off the protocol itself: its constants and its functions
 MEMBERS = (*Net.__annotations__, *(name for name, member in vars(Net).items()
                                    if inspect.isfunction(member) and not name.startswith("_")))
@@ -44,7 +44,7 @@ def test_masks_are_the_keywords_of_forward(net):
 
 def test_masks_of_each_net():
     assert resnet50.MASKS == ("drop_path", "dropout")
-    assert mobilenetv4.MASKS == ("drop_path", "dropout")
+    assert all(net.MASKS == ("drop_path", "dropout") for net in NET_MODULES)
 
 
 @pytest.mark.parametrize("missing", MEMBERS)
@@ -61,8 +61,9 @@ def test_a_module_missing_a_member_is_not_a_net(missing):
 def test_get_net_rejects_an_unknown_name():
     with pytest.raises(ValueError) as e:
         get_net("vgg")
-    assert str(e.value) == ("unknown net 'vgg'; choose from ['mnv4', 'resnet101', 'resnet152', "
-                            "'resnet18', 'resnet34', 'resnet50']")
+    assert str(e.value) == ("unknown net 'vgg'; choose from ['efficientnet', 'mnv4', 'mnv4l', "
+                            "'mnv4s', 'mobilenetv2', 'resnet101', 'resnet152', 'resnet18', "
+                            "'resnet34', 'resnet50']")
 
 
 def test_resnet50_blocks_follow_the_stage_table():
@@ -97,8 +98,12 @@ def test_branch_ends_are_the_last_bn_of_every_residual_branch(net):
     if isinstance(net, resnet.ResNet):  # every block's last BN (bn3, bn2), which timm zero-inits
         assert ends == net.zero_init_bns() and len(ends) == len(net.blocks())
         assert len(resnet50.branch_end_bns()) == 16
-    else:  # the 18 identity-skip blocks' pw_proj.bn (their drop-path sites)
-        assert ends == tuple(f"{p}.pw_proj.bn" for p in net.DROP_PATH_SITES) and len(ends) == 18
+    else:  # the identity-skip blocks' last BN (their drop-path sites): MobileNetV4's pw_proj.bn
+        assert ends == tuple(b.layers[-1].bn for b in net.blocks() if b.skip)
+        assert tuple(e.rsplit(".", 1)[0] for e in ends) == tuple(
+            f"{p}.pw_proj" if isinstance(net, mobilenetv4.MobileNetV4) else p
+            for p in net.DROP_PATH_SITES)
+    assert len(NETS["mnv4"].branch_end_bns()) == 18
 
 
 def test_near_init_is_timms_start_nudged():

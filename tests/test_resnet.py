@@ -229,11 +229,10 @@ def test_controls_fail_parity(net, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_init_keeps_the_dtype_under_x64(dtype):
-    """Every initialised tensor of both nets in the asked dtype (tests run under x64, where a
-    NumPy scalar factor would silently promote f32 weights to f64)."""
-    from twinstep.nets import mobilenetv4
-
-    for net in (resnet50, mobilenetv4):
+    """Every initialised tensor of a ResNet and an EfficientNet (squeeze-excite's conv biases)
+    in the asked dtype (tests run under x64, where a NumPy scalar factor would silently promote
+    f32 weights to f64)."""
+    for net in (resnet50, NETS["efficientnet"]):
         shapes = net.param_shapes(10)
         params = layers.init_params(jax.random.key(0), shapes, dtype=dtype,
                                     linear=net.LINEAR_INIT)

@@ -369,9 +369,10 @@ def test_a_nan_stops_at_its_step_and_a_cut_off_checkpoint_write_leaves_the_last_
 def test_init_from_loads_every_tensor_and_starts_a_classifier_of_another_width_afresh(
         tmp_path, monkeypatch):
     from twinstep import program
-    from twinstep.nets import layers, mobilenetv4
+    from twinstep.nets import NETS, layers
     from twinstep.training import state_dict
 
+    mobilenetv4 = NETS["mnv4"]
     monkeypatch.setattr(program, "train_program", _StandIn().train_program)
     shapes = mobilenetv4.param_shapes(1000)
     rng = np.random.default_rng(0)
@@ -437,9 +438,10 @@ def test_evaluation_sharded_over_the_replicas_is_the_single_devices():
 
     from twinstep import program
     from twinstep.checking.bounds import rel
-    from twinstep.nets import layers, mobilenetv4
+    from twinstep.nets import NETS, layers
     from twinstep.training import evaluation
 
+    mobilenetv4 = NETS["mnv4"]
     shapes = mobilenetv4.param_shapes(10)
     weights = (layers.init_params(jax.random.key(0), shapes, (), np.float32,
                                   linear=mobilenetv4.LINEAR_INIT),

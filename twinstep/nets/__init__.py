@@ -1,15 +1,15 @@
 """The networks, one file per family; each net is a `Net` (the interface its callers use).
 
-Adding a network is a row in its family's table (`resnet.VARIANTS`), or a new file
-implementing `Net` and one entry in `NETS`; the recipes, the tie, the trainer, renders and the
-tests take every net from `NETS` (docs/nets.md).
+Adding a network is a row in its family's table (`resnet.VARIANTS`, `efficientnet.VARIANTS`,
+`mobilenetv4.VARIANTS`), or a new file implementing `Net` whose nets `NETS` lists; the recipes,
+the tie, the trainer, renders and the tests take every net from `NETS` (docs/nets.md).
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from twinstep.nets import mobilenetv4, resnet
+from twinstep.nets import efficientnet, mobilenetv4, resnet
 
 
 @runtime_checkable
@@ -61,7 +61,8 @@ class Net(Protocol):
         ...
 
 
-NETS: dict[str, Net] = {**{net.NAME: net for net in resnet.NETS}, mobilenetv4.NAME: mobilenetv4}
+NETS: dict[str, Net] = {net.NAME: net for family in (resnet, efficientnet, mobilenetv4)
+                        for net in family.NETS}
 
 
 def get_net(name: str) -> Net:

@@ -1,6 +1,6 @@
-"""The layers both nets are made of — conv -> BN [-> ReLU], the residual join, the pools — and
-what every net shares: the context a forward runs in, the running-statistics update, and He /
-timm initialisation.
+"""The layers the nets are made of — conv -> BN [-> activation], the residual join, the pools,
+squeeze-excite — and what every net shares: the context a forward runs in, the
+running-statistics update, and He / timm initialisation.
 
 These are the layer boundaries: each stores what it hands on (its output, or in the backward
 the cotangent it hands back) as the levers' ``store`` asks (`twinstep.ops.precision.stored`),
@@ -53,12 +53,39 @@ class ConvBNTape(NamedTuple):
     train: bool
     conv: conv.ConvRes
     bn: batchnorm.BNRes
-    relu: jax.Array | None
+    act: tuple | None  # (the activation's name, its residuals), or None
+
+
+# The activations a layer may end with: name -> (forward x -> (y, residuals), its VJP). ReLU
+# keeps its mask as the levers ask (`Levers.relu_mask`); the others have no lever.
+ACTIVATIONS = {
+    "relu": (lambda x, levers: activation.relu_forward(x, levers.relu_mask), activation.relu_vjp),
+    "relu6": (lambda x, levers: activation.relu6_forward(x), activation.relu6_vjp),
+    "silu": (lambda x, levers: activation.silu_forward(x), activation.silu_vjp),
+}
+
+
+def act_forward(kind: str | None, x, levers: Levers):
+    """x -> (kind(x), (kind, residuals)), ``kind`` a key of `ACTIVATIONS`; None: (x, None)."""
+    if kind is None:
+        return x, None
+    y, res = ACTIVATIONS[kind][0](x, levers)
+    return y, (kind, res)
+
+
+def act_vjp(tape, dy):
+    """dx of `act_forward` from its tape."""
+    if tape is None:
+        return dy
+    kind, res = tape
+    return ACTIVATIONS[kind][1](res, dy)
 
 
 def conv_bn_forward(params, buffers, names: ConvBN, x, *, stride: int, ctx: Ctx,
-                    relu: bool = True, depthwise: bool = False, stats: dict | None = None):
-    """x [N, H, W, Ci] -> conv -> BN -> [ReLU] -> y [N, Ho, Wo, Co], stored; returns (y, tape).
+                    act: str | None = "relu", depthwise: bool = False,
+                    stats: dict | None = None):
+    """x [N, H, W, Ci] -> conv -> BN -> [act] -> y [N, Ho, Wo, Co], stored; returns (y, tape).
+    ``act``: a key of `ACTIVATIONS`, or None.
 
     In train mode the BN's batch statistics are recorded in ``stats[names.bn]``."""
     w, levers = params[names.conv + ".weight"], ctx.levers
@@ -78,16 +105,13 @@ def conv_bn_forward(params, buffers, names: ConvBN, x, *, stride: int, ctx: Ctx,
     else:
         y, bn_res = batchnorm.bn_eval_forward(y, gamma, beta, buffers[names.bn + ".running_mean"],
                                               buffers[names.bn + ".running_var"])
-    mask = None
-    if relu:
-        y, mask = activation.relu_forward(y, levers.relu_mask)
-    return ctx.stored(y), ConvBNTape(names, depthwise, ctx.train, conv_res, bn_res, mask)
+    y, act_res = act_forward(act, y, levers)
+    return ctx.stored(y), ConvBNTape(names, depthwise, ctx.train, conv_res, bn_res, act_res)
 
 
 def conv_bn_vjp(tape: ConvBNTape, dy, grads: dict):
     """dx of `conv_bn_forward`; the conv and BN parameter gradients are written into ``grads``."""
-    if tape.relu is not None:
-        dy = activation.relu_vjp(tape.relu, dy)
+    dy = act_vjp(tape.act, dy)
     bn_vjp = batchnorm.bn_train_vjp if tape.train else batchnorm.bn_eval_vjp
     dy, grads[tape.names.bn + ".weight"], grads[tape.names.bn + ".bias"] = bn_vjp(tape.bn, dy)
     conv_vjp = conv.depthwise_vjp if tape.depthwise else conv.conv2d_vjp
@@ -156,6 +180,51 @@ def gap_forward(x, *, ctx: Ctx):
 def gap_vjp(tape: PoolTape, dy):
     """dx [N, H, W, C] of `gap_forward`, stored."""
     return stored(pool.gap_vjp(tape.res, dy), tape.levers.store)
+
+
+class SETape(NamedTuple):
+    prefix: str
+    gap: PoolTape
+    reduce: conv.ConvRes
+    act: tuple | None
+    expand: conv.ConvRes
+    sigmoid: jax.Array  # the gate [N, 1, 1, C]
+    gate: tuple
+    levers: Levers  # the forward's (its store: the backward stores alike)
+
+
+def squeeze_excite_forward(params, prefix: str, x, *, ctx: Ctx, act: str):
+    """timm's SqueezeExcite at ``prefix``: x [N, H, W, C] times the gate sigmoid(conv_expand(
+    act(conv_reduce(mean of x over H, W)))) [N, C], stored; returns (y, tape). Its two 1x1
+    convs, ``conv_reduce`` [R, C, 1, 1] and ``conv_expand`` [C, R, 1, 1], carry biases and act
+    on the pooled [N, 1, 1, C]. Every quantity is per example: no replica talks here."""
+    levers, prec = ctx.levers, ctx.precision
+    pooled, gap = gap_forward(x, ctx=ctx)
+
+    def conv_bias(name, v):
+        y, res = conv.conv2d_forward(v, params[f"{prefix}.{name}.weight"], 1, prec,
+                                     path=levers.dense_path, crop_unread=levers.crop_unread)
+        return elementwise.bias_forward(y, params[f"{prefix}.{name}.bias"]), res
+
+    h, reduce = conv_bias("conv_reduce", pooled[:, None, None, :])
+    h, act_res = act_forward(act, h, levers)
+    g, expand = conv_bias("conv_expand", h)
+    g, sig = activation.sigmoid_forward(g)
+    y, gate = elementwise.gate_forward(x, g[:, 0, 0, :])
+    return ctx.stored(y), SETape(prefix, gap, reduce, act_res, expand, sig, gate, levers)
+
+
+def squeeze_excite_vjp(tape: SETape, dy, grads: dict):
+    """dx of `squeeze_excite_forward`, stored: the gate's direct path plus the pool's; the four
+    parameter gradients are written into ``grads``."""
+    p = tape.prefix
+    dx, dg = elementwise.gate_vjp(tape.gate, dy)
+    dz = activation.sigmoid_vjp(tape.sigmoid, dg[:, None, None, :])
+    dz, grads[f"{p}.conv_expand.bias"] = elementwise.bias_vjp(dz)
+    dh, grads[f"{p}.conv_expand.weight"] = conv.conv2d_vjp(tape.expand, dz)
+    dh, grads[f"{p}.conv_reduce.bias"] = elementwise.bias_vjp(act_vjp(tape.act, dh))
+    dp, grads[f"{p}.conv_reduce.weight"] = conv.conv2d_vjp(tape.reduce, dh)
+    return stored(dx + pool.gap_vjp(tape.gap.res, dp[:, 0, 0, :]), tape.levers.store)
 
 
 def bn_names(param_shapes: dict) -> list[str]:

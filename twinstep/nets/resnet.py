@@ -178,14 +178,15 @@ class ResNet:
         convs, y, tapes = self._convs(b), x, []
         for i, (conv, bn, _, _, _, stride) in enumerate(convs):
             y, t = conv_bn_forward(params, buffers, ConvBN(conv, bn), y, stride=stride, ctx=ctx,
-                                   relu=i < len(convs) - 1, stats=stats)
+                                   act="relu" if i < len(convs) - 1 else None,
+                                   stats=stats)
             tapes.append(t)
         shortcut, td = x, None
         if b.projects:
             shortcut, td = conv_bn_forward(params, buffers,
                                            ConvBN(f"{b.prefix}.downsample.0",
                                                   f"{b.prefix}.downsample.1"), x,
-                                           stride=b.stride, ctx=ctx, relu=False, stats=stats)
+                                           stride=b.stride, ctx=ctx, act=None, stats=stats)
         y, tr = layers.residual_forward(y, shortcut, ctx=ctx, mask=mask, relu=True)
         return y, (tuple(tapes), td, tr)
 
