@@ -285,33 +285,3 @@ def test_wrong_checkpoint_is_rejected():
     state = {k: np.zeros(s) for k, s in resnet50.param_shapes(K).items()}
     with pytest.raises(ValueError, match="running_mean"):
         state_dict.to_net(resnet50, state)
-
-
-@pytest.mark.oracle
-@pytest.mark.slow
-@pytest.mark.all  # ResNet-18's run, weights and render: tests/test_train.py, test_render.py
-@pytest.mark.parametrize("name", [n for n in resnet.VARIANTS if n not in ("resnet18", "resnet50")])
-def test_every_resnet_trains_exports_its_weights_to_timm_and_renders_a_tied_step(name, tmp_path):
-    """Two steps of ``NAMEin_momdp2`` on the digits (R = 2, f64, 32²); the run's weights
-    (`twinstep weights`'s writer) load into timm strictly and its eval logits are twinstep's
-    (f32: 1e-4); the recipe's step rendered for R = 2 ties over two steps."""
-    from twinstep import api, program
-    from twinstep.checking.bounds import rel
-    from twinstep.data import digits
-    from twinstep.training.checkpoint import load_state
-
-    recipe, run = f"{name}in_momdp2", tmp_path / "run"
-    api.train(recipe, str(run), data="digits", replicas=2, res=32, steps=2, eval_every=2,
-              ckpt_every=2, precision="f64", fast_compile=True)
-    state, x = load_state(str(run)), digits.split("val", 32)[0][:8]
-    ours = program.eval_program(NETS[name])(state["params"], state["buffers"], x)
-    path = state_dict.write_from_run(str(run))
-    model = timm.create_model(name, num_classes=10, pretrained=True,  # strict
-                              pretrained_cfg_overlay=dict(file=path, num_classes=10)).eval()
-    with torch.no_grad():
-        theirs = model(torch.from_numpy(np.asarray(x)).permute(0, 3, 1, 2).contiguous()).numpy()
-    assert rel(theirs, ours) <= 1e-4
-    api.render(recipe, 2, str(tmp_path / "render"), res=32, classes=10, precision="f64")
-    report = api.tie_render(str(tmp_path / "render" / f"{recipe}.jaxexport"), steps=2,
-                            fast_compile=True)
-    assert report.ok, report.verdict()

@@ -36,8 +36,11 @@ GPU = Levers.of("gpu")  # `twinstep tie --gpu-levers`
 
 # parameter tensors, BN sites
 COUNTS = {"resnet18": (62, 20), "resnet34": (110, 36), "resnet50": (161, 53),
-          "resnet101": (314, 104), "resnet152": (467, 155), "mnv4": (233, 77)}
+          "resnet101": (314, 104), "resnet152": (467, 155), "mobilenetv2": (158, 52),
+          "efficientnet": (213, 49), "mnv4s": (140, 46), "mnv4": (233, 77), "mnv4l": (308, 102)}
 OTHER_RESNETS = ("resnet18", "resnet34", "resnet101", "resnet152")  # beside ResNet-50
+CATALOGUE = ("mobilenetv2", "efficientnet", "mnv4s", "mnv4l")  # beside MNv4-M
+
 ALL = pytest.mark.all
 
 
@@ -139,12 +142,14 @@ def test_mnv4_ties_f64(replicas, loss):
 
 
 @pytest.mark.slow
-@ALL  # make test ties ResNet-18 at R = 2 under CE (the README's example, test_api.py)
-@pytest.mark.parametrize("net", OTHER_RESNETS)
-@pytest.mark.parametrize("replicas,loss", [(r, lo) for r in (2, 4) for lo in ("ce", "bce")])
-def test_every_resnet_ties_f64(net, replicas, loss):
-    """Every other row of the ResNet table at R = 2 and 4 under both losses, each bound at its
-    floor or 10 x SENSITIVITY (no cap claimed: at 32² layer4's BNs normalise R N rows)."""
+@pytest.mark.parametrize("net,replicas,loss", matrix(
+    *[(n, r, lo) for n in (*OTHER_RESNETS, *CATALOGUE) for r in (2, 4) for lo in ("ce", "bce")],
+    keep={("efficientnet", 2, "ce")}))  # ResNet-18 at R = 2, CE: the README's (test_api.py)
+def test_every_other_net_ties_f64(net, replicas, loss):
+    """Every other net at R = 2 and 4 under both losses, each bound at its floor or
+    10 x SENSITIVITY (no cap claimed: at 32² the last stage's BNs normalise R N rows).
+    EfficientNet-B0 in make test: squeeze-excite's pool, convs and gate are per example, so its
+    tie needs no new sync site."""
     r = run(net=net, replicas=replicas, loss=loss)
     assert_tied(r)
     assert_f64_bounds(r)
@@ -164,10 +169,13 @@ CONTROL_MARGIN = 1e6  # f64: a bug a million times smaller than a control would 
 @pytest.mark.slow
 @pytest.mark.parametrize("net,control", matrix(
     *[(n, c) for n in sorted(COUNTS) for c in GRADIENT_CONTROLS],
-    keep={("resnet50", "sum"), ("resnet50", "shard-gamma"), ("resnet50", "unsynced")}))
+    keep={("resnet50", "sum"), ("resnet50", "shard-gamma"), ("resnet50", "unsynced"),
+          ("efficientnet", "unsynced")}))
 def test_every_control_breaks_the_tie(net, control, tmp_path, record_property):
     """Each control fails, and by a margin: its worst row by at least CONTROL_MARGIN times its
-    bound (at seed 0 on ResNet-50 the smallest such margin is shard-gamma's, 8.7e9)."""
+    bound (at seed 0 on ResNet-50 the smallest such margin is shard-gamma's, 8.7e9).
+    `unsynced` breaks the tie through the BNs: every BN site fails (squeeze-excite's pooled
+    mean is per example, the same on the replicas as on the single device)."""
     r = run(net=net, replicas=2, control=control)
     assert r.status == "NOT tied"
     assert "NOT tied" in r.verdict()
@@ -176,6 +184,8 @@ def test_every_control_breaks_the_tie(net, control, tmp_path, record_property):
     print(f"{net} {control}: failing rows exceed their bounds {smallest:.1e} to {largest:.1e} "
           f"times")
     assert largest >= CONTROL_MARGIN
+    if control == "unsynced":
+        assert not any(b["ok"] for b in r.bn_sites)
     if control == "shard-gamma":  # only BN gammas break; the forward half is untouched
         failing = {p["name"] for p in r.parameters if not p["ok"]}
         bn_gammas = {f"{b['name']}.weight" for b in r.bn_sites}
@@ -242,7 +252,7 @@ STORING = Levers.chosen(gpu=True, store="bf16", relu_mask="bits")
 @pytest.mark.slow
 @pytest.mark.parametrize("net, replicas", matrix(
     ("resnet50", 2), ("resnet50", 4), ("mnv4", 2), ("mnv4", 4),
-    *((n, 2) for n in OTHER_RESNETS), keep=[("resnet50", 2), ("mnv4", 2)]))
+    *((n, 2) for n in (*OTHER_RESNETS, *CATALOGUE)), keep=[("resnet50", 2), ("mnv4", 2)]))
 def test_bf16_ties_at_the_partial_sum_boundary(net, replicas):
     """bf16 (inputs.tie_precision): every conv weight gradient within the bf16 boundary
     (docs/tie.md#bf16) elementwise, and that boundary is what separates the two programs — the

@@ -14,10 +14,11 @@ import time
 import numpy as np
 import pytest
 from conftest import FAST_COMPILE_NETS
+from oracle_libs import timm, torch
 
 from twinstep import UsageError
 from twinstep.data import batches, digits
-from twinstep.nets import get_net
+from twinstep.nets import NETS, get_net
 from twinstep.training.checkpoint import load_state
 from twinstep.training.config import TrainConfig
 from twinstep.training.state_dict import write_from_run
@@ -543,3 +544,32 @@ def test_checkpoints_keep_the_last_k_and_every_kth_and_a_partial_one_is_not_one(
     assert int(load_state(str(tmp_path))["step"]) == 5
     with pytest.raises(UsageError, match="--keep-every must be a multiple of --ckpt-every"):
         TrainConfig(RECIPE, str(tmp_path / "x"), replicas=2, ckpt_every=4, keep_every=6)
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [  # ResNet-18's and -50's, MNv4-M's: the tests above, test_render
+    pytest.param(n, marks=() if n == "efficientnet" else pytest.mark.all)
+    for n in NETS if n not in ("resnet18", "resnet50", "mnv4")])
+def test_every_net_trains_exports_its_weights_to_timm_and_renders_a_tied_step(name, tmp_path):
+    """Two steps of ``NAMEin_momdp2`` on the digits (R = 2, f64, 32²); the run's weights
+    (`twinstep weights`'s writer) load into timm strictly and its eval logits are twinstep's
+    (f32: 1e-4); the recipe's step rendered for R = 2 ties over two steps."""
+    from twinstep import api, program
+    from twinstep.checking.bounds import rel
+
+    recipe, run = f"{name}in_momdp2", tmp_path / "run"
+    api.train(recipe, str(run), data="digits", replicas=2, res=32, steps=2, eval_every=2,
+              ckpt_every=2, precision="f64", fast_compile=True)
+    state, x = load_state(str(run)), digits.split("val", 32)[0][:8]
+    ours = program.eval_program(NETS[name])(state["params"], state["buffers"], x)
+    path = write_from_run(str(run))
+    model = timm.create_model(NETS[name].TIMM_NAME, num_classes=10, pretrained=True,  # strict
+                              pretrained_cfg_overlay=dict(file=path, num_classes=10)).eval()
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(np.asarray(x)).permute(0, 3, 1, 2).contiguous()).numpy()
+    assert rel(theirs, ours) <= 1e-4
+    api.render(recipe, 2, str(tmp_path / "render"), res=32, classes=10, precision="f64")
+    report = api.tie_render(str(tmp_path / "render" / f"{recipe}.jaxexport"), steps=2,
+                            fast_compile=True)
+    assert report.ok, report.verdict()
