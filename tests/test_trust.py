@@ -456,3 +456,18 @@ def test_a_running_mean_below_the_floor_is_compared_against_zero_on_its_spread()
     ref = {"bn.running_mean": np.full(4, 0.4 * floor), "bn.running_var": var}
     wrong = {"bn.running_mean": np.full(4, 0.1), "bn.running_var": var}  # 0.1 std off
     assert grad_err("bn.running_mean", wrong, ref) == pytest.approx(0.05, rel=1e-9)
+
+
+def test_a_bn_state_that_is_exactly_zero_is_compared_absolutely_not_as_nan():
+    """A state zero for the whole BN — RMSProp's momentum after its first step at lr 0, bias
+    and gamma alike — has no spread to compare the bias on: `bounds.grad_err` compares it
+    absolutely (0 when both are 0), never 0 / 0. Its control: a bias nonzero where the
+    reference's is 0 fails by its own size."""
+    import numpy as np
+
+    from twinstep.checking.bounds import grad_err
+
+    zero = {"bn.weight": np.zeros(4), "bn.bias": np.zeros(4)}
+    assert grad_err("bn.bias", dict(zero), zero) == 0.0
+    wrong = {"bn.weight": np.zeros(4), "bn.bias": np.full(4, 0.5)}
+    assert grad_err("bn.bias", wrong, zero) == pytest.approx(1.0)

@@ -85,7 +85,9 @@ def grad_err(name: str, ours, ref) -> float:
 
 def zero_scale(name: str, ref) -> float | None:
     """The scale of its BN's spread that `grad_err` compares ref[name] against zero on, or None
-    when ref[name] is not a BN's shift below PARAM_FLOOR on that scale."""
+    when ref[name] is not a BN's shift below PARAM_FLOOR on that scale, or that scale is 0 (a
+    state that is exactly zero for the whole BN, as RMSProp's momentum after a step at lr 0:
+    `rel` compares it absolutely)."""
     shift = name.rsplit(".", 1)[-1]
     if shift in BN_SHIFTS:
         spread, to_scale = BN_SHIFTS[shift]
@@ -93,8 +95,8 @@ def zero_scale(name: str, ref) -> float | None:
         if other in ref and np.ndim(ref[other]) == 1:
             scale = float(np.linalg.norm(to_scale(host(ref[other]))))
             dtype = np.dtype(getattr(ref[name], "dtype", np.float64)).name
-            if np.linalg.norm(host(ref[name])) <= PARAM_FLOOR.get(dtype, PARAM_FLOOR[
-                    "float64"]) * scale:
+            if scale > 0 and np.linalg.norm(host(ref[name])) <= PARAM_FLOOR.get(
+                    dtype, PARAM_FLOOR["float64"]) * scale:
                 return scale
     return None
 
