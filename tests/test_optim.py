@@ -1,7 +1,8 @@
-"""Optimizers, LR schedule and EMA against their oracles: timm's Lamb, torch's AdamW and SGD, and
-timm's ModelEmaV3, run on identical parameters and gradients; the controls that must break each
-comparison; the schedule against its closed form."""
+"""Optimizers, LR schedule and EMA against their oracles: timm's Lamb and RMSpropTF, torch's AdamW
+and SGD, and timm's ModelEmaV3, run on identical parameters and gradients; the controls that must
+break each comparison; the schedules against timm's schedulers."""
 
+import dataclasses
 import math
 
 import jax
@@ -12,12 +13,16 @@ import pytest
 from oracle_libs import timm, torch
 
 from twinstep import dp, ema, optim
-from twinstep.nets import NETS, mobilenetv4
+from twinstep.nets import NETS
 
 BOUND = {np.float64: 1e-10, np.float32: 2e-6}
 WD = 0.05
-LR = {"lamb": 0.05, "adamw": 0.02, "momentum": 0.1, "sgd": 0.1}
-STEPS = 3  # compared after step 1 and after step STEPS
+LR = {"lamb": 0.05, "adamw": 0.02, "momentum": 0.1, "sgd": 0.1, "rmsproptf": 0.048}
+STEPS = 3  # compared after step 1 and after the last step: STEPS, or the kind's own
+# RMSpropTF's square average forgets its start of 1 as 0.9^t: 12 steps leave 0.28 of it, and the
+# momentum has gathered most of its weight
+STEPS_OF = {"rmsproptf": 12}
+RMS_EPS = 1e-3  # timm's EfficientNet recipe's --opt-eps .001
 ZERO = ("layer1.0.conv2.weight", "layer1.0.bn2.weight")  # all-zero: trust ratio 1 (‖θ‖ = 0)
 pytestmark = pytest.mark.oracle  # every comparison runs torch / timm
 
@@ -59,14 +64,15 @@ def _model(params: dict, dtype):
     return model
 
 
-def _problem(rng):
-    """Parameters (two all-zero tensors) and STEPS gradient dicts, in f64. Per-tensor, per-step
-    scales make the global norm ≫ 1 (the clip triggers) and vary, so the clip matters for Adam."""
+def _problem(rng, kind: str = ""):
+    """Parameters (two all-zero tensors) and the kind's steps' gradient dicts (`STEPS_OF`), in
+    f64. Per-tensor, per-step scales make the global norm ≫ 1 (the clip triggers) and vary, so
+    the clip matters for Adam."""
     shapes = {n: tuple(p.shape) for n, p in _tiny().named_parameters()}
     params = {n: (0.0 if n in ZERO else rng.uniform(0.2, 1.0)) * rng.normal(size=s)
               for n, s in shapes.items()}
     grads = [{n: 10 ** rng.uniform(-1, 1) * rng.normal(size=s) for n, s in shapes.items()}
-             for _ in range(STEPS)]
+             for _ in range(STEPS_OF.get(kind, STEPS))]
     return params, grads
 
 
@@ -77,11 +83,19 @@ def _global_norm(g: dict) -> float:
 def _torch(kind, wx, clip, params, grads, dtype):
     """The oracle: timm / torch optimizers, parameter groups as timm's create_optimizer builds them,
     the clip as timm's train.py --clip-grad 1.0 applies it (clip_grad_norm_, before the step);
-    timm's Lamb clips inside as well (max_grad_norm=1.0, its default)."""
+    timm's Lamb clips inside as well (max_grad_norm=1.0, its default). RMSpropTF is timm's
+    ``--opt rmsproptf --opt-eps .001`` itself (create_optimizer_v2), its defaults checked."""
     model = _model(params, dtype)
     named = dict(model.named_parameters())
     groups = timm.optim.param_groups_weight_decay(model, WD) if wx else model.parameters()
-    if kind == "lamb":
+    if kind == "rmsproptf":
+        opt = timm.optim.create_optimizer_v2(model, "rmsproptf", lr=LR[kind], weight_decay=WD,
+                                             eps=RMS_EPS, filter_bias_and_bn=wx)
+        assert type(opt) is timm.optim.RMSpropTF and all(
+            (g["alpha"], g["momentum"], g["eps"], g["lr_in_momentum"], g["decoupled_decay"],
+             g["centered"], g["caution"]) == (0.9, 0.9, RMS_EPS, True, False, False, False)
+            for g in opt.param_groups)
+    elif kind == "lamb":
         opt = timm.optim.Lamb(groups, lr=LR[kind], weight_decay=WD, max_grad_norm=1.0)
     elif kind == "adamw":
         opt = torch.optim.AdamW(groups, lr=LR[kind], betas=(0.9, 0.999), eps=1e-8, weight_decay=WD)
@@ -125,7 +139,7 @@ CASES = [(k, wx, clip) for k in optim.KINDS for wx in (False, True) for clip in 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("kind,wx,clip", CASES)
 def test_optimizer_matches_oracle(kind, wx, clip, dtype, rng):
-    params, grads = _problem(rng)
+    params, grads = _problem(rng, kind)
     if clip:
         assert min(_global_norm(g) for g in grads) > 10  # the clip triggers at every step
     opt = optim.make_optimizer(kind, LR[kind], weight_decay=WD, wx=wx, clip=clip, params=params)
@@ -135,8 +149,8 @@ def test_optimizer_matches_oracle(kind, wx, clip, dtype, rng):
     # the steps are not negligible against the parameters (else the comparison would prove little)
     moved = min(np.linalg.norm(theirs[-1][n] - params[n]) / np.linalg.norm(theirs[-1][n])
                 for n in params)
-    print(f"{kind} wx={wx} clip={clip} {dtype.__name__}: step 1 {e1:.2e}, step {STEPS} {e3:.2e}, "
-          f"moved >= {moved:.1e}")
+    print(f"{kind} wx={wx} clip={clip} {dtype.__name__}: step 1 {e1:.2e}, step {len(grads)} "
+          f"{e3:.2e}, moved >= {moved:.1e}")
     assert max(e1, e3) <= BOUND[dtype] and moved > 1e-3
 
 
@@ -179,22 +193,69 @@ def _wrong(name, params):
     if name == "momentum decoupled decay":
         return ("momentum", True, False), optax.chain(
             optax.trace(0.9), optax.add_decayed_weights(WD, mask), lr(LR["momentum"]))
+    if name.startswith("rmsproptf"):  # one change each to the TF form (optim's docstring)
+        rms = {"decay": 0.9, "eps": RMS_EPS, "initial_scale": 1.0, "eps_in_sqrt": True}
+        rms.update({"rmsproptf ε outside the square root": {"eps_in_sqrt": False},
+                    "rmsproptf square average from 0": {"initial_scale": 0.0},
+                    "rmsproptf α 0.99": {"decay": 0.99}}.get(name, {}))
+        if name == "rmsproptf decay on 1-D":
+            return ("rmsproptf", True, False), optim.make_optimizer(
+                "rmsproptf", LR["rmsproptf"], weight_decay=WD, wx=False, clip=False,
+                params=params)
+        return ("rmsproptf", True, False), optax.chain(
+            optax.add_decayed_weights(WD, mask), optax.scale_by_rms(**rms),
+            lr(LR["rmsproptf"], flip_sign=False), optax.trace(0.9), optax.scale(-1.0))
     raise KeyError(name)
 
 
 WRONG = ["lamb trust ratio on 1-D under wx", "lamb clip per tensor", "lamb without any clip",
          "adamw coupled decay", "adamw decay on 1-D", "momentum as nesterov", "sgd as heavy-ball",
-         "momentum decoupled decay"]
+         "momentum decoupled decay", "rmsproptf ε outside the square root",
+         "rmsproptf square average from 0", "rmsproptf α 0.99", "rmsproptf decay on 1-D"]
 
 
 @pytest.mark.parametrize("name", WRONG)
 def test_controls_break_parity(name, rng):
-    params, grads = _problem(rng)
+    params, grads = _problem(rng, name.split()[0])  # each name starts with its kind
     (kind, wx, clip), opt = _wrong(name, params)
     e1, e3 = _errs(_ours(opt, params, grads, np.float64),
                    _torch(kind, wx, clip, params, grads, np.float64))
-    print(f"{name}: step 1 {e1:.2e}, step {STEPS} {e3:.2e}")
+    print(f"{name}: step 1 {e1:.2e}, step {len(grads)} {e3:.2e}")
     assert e3 > 100 * BOUND[np.float32]
+
+
+def test_rmsproptf_takes_the_lr_inside_its_momentum(rng):
+    """Under a changing lr (a warmup, then timm's step decay) RMSpropTF's lr_in_momentum=True,
+    b ← μ b + lr_t g/√(v + ε), θ ← θ − b, differs from PyTorch's θ ← θ − lr_t b: a constant lr,
+    as `test_optimizer_matches_oracle` runs, cannot tell them apart. Ours is timm's at every
+    step; timm's with lr_in_momentum=False is the control."""
+    params, grads = _problem(rng, "rmsproptf")
+    schedule = optim.step_lr_schedule(LR["rmsproptf"], 4, 2.4, 0.5, 1e-3)
+    lrs = [float(schedule(s)) for s in range(len(grads))]
+
+    def timm_run(lr_in_momentum: bool) -> list[dict]:
+        model = _model(params, np.float64)
+        named = dict(model.named_parameters())
+        opt = timm.optim.RMSpropTF(timm.optim.param_groups_weight_decay(model, WD), lr=lrs[0],
+                                   alpha=0.9, eps=RMS_EPS, momentum=0.9,
+                                   lr_in_momentum=lr_in_momentum)
+        out = []
+        for lr, g in zip(lrs, grads, strict=True):
+            for group in opt.param_groups:
+                group["lr"] = lr
+            for n, p in named.items():
+                p.grad = torch.from_numpy(g[n].copy())
+            opt.step()
+            out.append({n: p.detach().numpy().copy() for n, p in named.items()})
+        return out
+
+    ours = _ours(optim.make_optimizer("rmsproptf", schedule, weight_decay=WD, wx=True, clip=False,
+                                      params=params), params, grads, np.float64)
+    assert len(set(lrs)) > 3  # it changes, in the warmup and in the staircase
+    worst = max(_err(o, t) for o, t in zip(ours, timm_run(True), strict=True))
+    control = max(_err(o, t) for o, t in zip(ours, timm_run(False), strict=True))
+    print(f"lr in the momentum: worst {worst:.2e}; PyTorch's lr outside it {control:.2e}")
+    assert worst <= BOUND[np.float64] and control > 100 * BOUND[np.float32]
 
 
 def test_the_clips_are_timms(rng):
@@ -226,7 +287,7 @@ def test_the_clips_are_timms(rng):
 
 
 def test_decay_mask():
-    for net, (tensors, one_d) in ((NETS["resnet50"], (161, 107)), (mobilenetv4, (233, 155))):
+    for net, (tensors, one_d) in ((NETS["resnet50"], (161, 107)), (NETS["mnv4"], (233, 155))):
         shapes = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in net.param_shapes().items()}
         mask = optim.decay_mask(shapes, True)
         assert (len(mask), sum(not m for m in mask.values())) == (tensors, one_d)
@@ -305,6 +366,65 @@ def test_lr_schedule_is_timms_per_update(warmup, total, init):
         assert got != pytest.approx(timm_lrs(warmup_lr=0.0), rel=1e-6)
     with pytest.raises(ValueError):
         optim.lr_schedule(peak, total, total)
+
+
+@pytest.mark.parametrize("warmup, decay, rate, init", [(5, 2.4, 0.97, 1e-6), (0, 3, 0.5, 0.0),
+                                                       (3, 1.1, 0.9, 1e-5), (10, 7, 0.97, 1e-6)])
+def test_step_lr_schedule_is_timms_per_update(warmup, decay, rate, init):
+    """lr(s) of the step decay for every optimizer step s against timm's own scheduler as
+    train.py builds it with ``--sched step --decay-epochs D --decay-rate r --sched-on-updates``
+    (create_scheduler_v2, step_update after each update); a fractional D as timm's 2.4, and
+    D = 1.1, where ⌊s / D⌋ would part from timm's s // D at s = 11. The controls it must tell
+    apart: the decay counted from the warmup's end (--warmup-prefix), stepped per epoch (5
+    updates an epoch), and the warmup started from 0 instead of warmup_lr."""
+    from timm.scheduler import create_scheduler_v2
+
+    peak, total = 0.048, 30
+    ours = jax.jit(optim.step_lr_schedule(peak, warmup, decay, rate, init))
+
+    def timm_lrs(per_epoch: bool = False, warmup_lr: float = init,
+                 prefix: bool = False) -> list[float]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+        upe = 5 if per_epoch else 1
+        sched, _ = create_scheduler_v2(opt, "step", num_epochs=total // upe,
+                                       decay_epochs=decay / upe, decay_rate=rate,
+                                       warmup_epochs=warmup // upe, warmup_lr=warmup_lr,
+                                       warmup_prefix=prefix, step_on_epochs=per_epoch,
+                                       updates_per_epoch=upe)
+        out = []
+        for s in range(total):
+            out.append(opt.param_groups[0]["lr"])
+            if per_epoch and (s + 1) % upe == 0:
+                sched.step((s + 1) // upe)
+            elif not per_epoch:
+                sched.step_update(num_updates=s + 1)
+        return out
+
+    want = timm_lrs()
+    got = [float(ours(s)) for s in range(total)]
+    assert got == pytest.approx(want, rel=1e-14, abs=1e-18)
+    assert len(set(want[warmup:])) > 3  # the staircase steps down within the run
+    if warmup:
+        assert got != pytest.approx(timm_lrs(prefix=True), rel=1e-6)
+    if warmup % 5 == 0:
+        assert got != pytest.approx(timm_lrs(per_epoch=True), rel=1e-6)
+    if init > 0:
+        assert got != pytest.approx(timm_lrs(warmup_lr=0.0), rel=1e-6)
+    with pytest.raises(ValueError):
+        optim.step_lr_schedule(peak, warmup, 0.0, rate)
+
+
+def test_a_recipe_takes_its_schedule():
+    """`recipe_schedule` is the recipe's kind of schedule, with its fields."""
+    from twinstep.recipes import Recipe
+
+    cosine = Recipe(net="resnet18", optimizer="rmsproptf", warmup_steps=3, total_steps=40,
+                    warmup_lr=1e-6)
+    step = dataclasses.replace(cosine, schedule="step", decay_steps=2.4, decay_rate=0.97)
+    for recipe, want in ((cosine, optim.lr_schedule(0.048, 3, 40, 1e-6)),
+                         (step, optim.step_lr_schedule(0.048, 3, 2.4, 0.97, 1e-6))):
+        got = optim.recipe_schedule(recipe)
+        assert [float(got(s)) for s in range(40)] == [float(want(s)) for s in range(40)]
 
 
 def test_first_step_uses_lr_at_zero():

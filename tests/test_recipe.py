@@ -238,6 +238,86 @@ def test_incoherent_recipes_rejected():
             Recipe(**bad)
 
 
+def test_rmsproptf_names():
+    """timm's RMSpropTF is the token 'rms', after 'ema' as every optimizer's: the EfficientNet
+    recipes' spelling, efficientnetin_emarmsdp64dropdo."""
+    r = parse("resnet50in_rmsdp64")
+    assert (r.optimizer, r.dp, r.batch, r.lr, r.effective_weight_decay) == (
+        "rmsproptf", True, 64, 0.048, 1e-5)
+    r = parse("resnet50in_emarmsdp64dropdo")
+    assert r == Recipe(net="resnet50", optimizer="rmsproptf", dp=True, batch=64, drop=True,
+                       dropout=True, ema=True)
+    r = parse("efficientnetin_emarmsdp64dropdo")
+    assert (r.net, r.optimizer, r.ema, r.drop, r.dropout) == ("efficientnet", "rmsproptf", True,
+                                                              True, True)
+    for name in ("resnet50in_rmsdp64", "resnet50in_emarmsdp64dropdo",
+                 "efficientnetin_emarmsdp64dropdo", "mobilenetv2in_rmsdp64wx",
+                 "mnv4in_emarmsaccdp2x64wxclipwd00001bf16"):
+        assert parse(name).name == name
+    with pytest.raises(UsageError, match="'rms' repeated"):
+        parse("resnet50in_rmsrms")
+
+
+def test_step_schedule_fields_are_checked():
+    """schedule="step" needs its decay_steps and decay_rate, and the cosine takes neither: one
+    line naming the field."""
+    base = dict(net="resnet18", optimizer="rmsproptf")
+    step = Recipe(**base, schedule="step", decay_steps=2.4, decay_rate=0.97)
+    assert (step.decay_steps, step.decay_rate) == (2.4, 0.97)
+    assert isinstance(Recipe(**base, schedule="step", decay_steps=3, decay_rate=1).decay_steps,
+                      float)
+    for fields, message in (
+            (dict(schedule="linear"), "schedule 'linear'; expected one of: cosine, step"),
+            (dict(schedule="step", decay_rate=0.97), "schedule 'step' needs decay_steps"),
+            (dict(schedule="step", decay_steps=2.4), "schedule 'step' needs decay_rate"),
+            (dict(decay_steps=2.4), "schedule 'cosine' takes no decay_steps"),
+            (dict(decay_rate=0.97), "schedule 'cosine' takes no decay_rate"),
+            *((dict(schedule="step", decay_steps=d, decay_rate=r),
+               "expected decay_steps > 0 and 0 < decay_rate <= 1")
+              for d, r in ((0, 0.97), (-1, 0.97), (float("inf"), 0.97), (float("nan"), 0.97),
+                           (2.4, 0.0), (2.4, 1.5), (2.4, float("nan"))))):
+        with pytest.raises(UsageError) as e:
+            Recipe(**base, **fields)
+        assert str(e.value).startswith("bad recipe: ") and message in str(e.value), fields
+        assert "\n" not in str(e.value)
+
+
+def test_train_keeps_a_step_decays_share_of_the_run(tmp_path):
+    """`twinstep train` runs a recipe over its own length, the warmup its share of it: a step
+    decay's interval likewise (decay_steps x steps / total_steps)."""
+    from twinstep.training.config import TrainConfig
+
+    cfg = TrainConfig("resnet18in_rms", str(tmp_path), steps=50)
+    recipe = Recipe(net="resnet18", optimizer="rmsproptf", warmup_steps=100, total_steps=1000,
+                    schedule="step", decay_steps=24.0, decay_rate=0.97)
+    resolved = cfg._resolve(recipe)
+    assert (resolved.total_steps, resolved.warmup_steps) == (50, 5)
+    assert resolved.decay_steps == pytest.approx(1.2) and resolved.decay_rate == 0.97
+    assert cfg.parsed_recipe().decay_steps is None  # a cosine's recipe keeps none
+
+
+def test_a_run_recorded_before_the_schedule_fields_resumes(tmp_path):
+    """A run's config.json from before `Recipe.schedule` (and its decay fields) had the
+    defaults: it resumes; one recorded with another schedule does not."""
+    import json
+
+    from twinstep.training.config import TrainConfig, check_run_dir
+
+    cfg = TrainConfig("resnet18in_rms", str(tmp_path / "run"), steps=20)
+    assert check_run_dir(cfg) is False
+    recipe = dataclasses.asdict(cfg.parsed_recipe())
+    for recorded, resumes in (({k: v for k, v in recipe.items() if k not in (
+            "schedule", "decay_steps", "decay_rate")}, True),
+            ({**recipe, "schedule": "step", "decay_steps": 2.0, "decay_rate": 0.5}, False)):
+        with open(tmp_path / "run" / "config.json", "w") as f:
+            json.dump({**dataclasses.asdict(cfg), "resolved_recipe": recorded}, f)
+        if resumes:
+            assert check_run_dir(cfg) is True
+        else:
+            with pytest.raises(UsageError, match="recipe field schedule = 'step', not 'cosine'"):
+                check_run_dir(cfg)
+
+
 def test_presets():
     assert set(PRESETS) == {"rsb-a1", "rsb-a2", "rsb-a3", "mnv4-conv-m"}
     a1, a2, a3, m = (PRESETS[k] for k in ("rsb-a1", "rsb-a2", "rsb-a3", "mnv4-conv-m"))

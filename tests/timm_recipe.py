@@ -23,11 +23,15 @@ def optimizer(model, recipe, control: str = "none"):
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):
                 m.momentum = 0.01
+    from twinstep.recipes import OPTIMIZERS
+
     betas = {"betas": ADAM_BETAS_CONTROL} if control == "adam-betas" else {}
+    # --opt-eps: the row's ε (RMSpropTF's default, 1e-10, is not the recipe's 1e-3; SGD has none)
+    eps = OPTIMIZERS[recipe.optimizer].eps
     return create_optimizer_v2(model, opt=recipe.optimizer, lr=recipe.lr,
                                weight_decay=recipe.effective_weight_decay,
                                filter_bias_and_bn=recipe.wx and control != "decay-everything",
-                               **betas)
+                               **betas, **({} if eps is None else {"eps": eps}))
 
 
 def scheduler(opt, recipe, control: str = "none"):

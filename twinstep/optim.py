@@ -12,6 +12,9 @@ Parameters, gradients and updates are flat dicts {timm name: array}; every optim
   adamw     torch AdamW (β .9/.999, ε 1e-8)    scale_by_adam, add_decayed_weights(mask), lr
   momentum  torch SGD(momentum=.9)             add_decayed_weights(mask), trace(.9), lr
   sgd       torch SGD(momentum=.9, nesterov)   add_decayed_weights(mask), trace(.9, nesterov), lr
+  rmsproptf timm RMSpropTF (α .9, ε 1e-3,      add_decayed_weights(mask),
+            momentum .9)                       scale_by_rms(.9, ε in √, from 1), +lr, trace(.9),
+                                               scale(-1)
 
 One transform is written here (`clip_grad_norm`, torch's clip); elsewhere, where optax and timm
 could part, the composition decides:
@@ -30,6 +33,11 @@ could part, the composition decides:
   optax's factor (`clip_grad_norm`).
 - torch SGD's momentum buffer starts as the first gradient; optax.trace starts at zero and adds
   the gradient, the same thing.
+- timm's RMSpropTF (lr_in_momentum=True, decoupled_decay=False, its defaults): g ← g + wd θ;
+  v ← v + (1 − α)(g² − v) from v = 1; b ← μ b + lr g/√(v + ε); θ ← θ − b. optax.rmsprop is
+  that chain but puts the sign before the trace, which would then hold −b: the sign goes last
+  here, so the trace is timm's momentum_buffer (the loop oracle compares it) and the update the
+  same.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ KINDS = tuple(OPTIMIZERS)
 # replica (`twinstep.program.train_program`).
 PER_TENSOR_NORMS = tuple(k for k, o in OPTIMIZERS.items() if o.trust_ratio)
 CLIP_NORM = 1.0
-EPS = {k: o.eps for k, o in OPTIMIZERS.items() if o.eps is not None}  # the Adams' ε
+EPS = {k: o.eps for k, o in OPTIMIZERS.items() if o.eps is not None}  # the Adams' and RMSProp's ε
 
 
 def decay_mask(params: dict, wx: bool) -> dict[str, bool]:
@@ -86,6 +94,32 @@ def lr_schedule(peak_lr: float, warmup_steps: int, total_steps: int, warmup_init
     return schedule
 
 
+def step_lr_schedule(peak_lr: float, warmup_steps: int, decay_steps: float, decay_rate: float,
+                     warmup_init: float = 0.0) -> optax.Schedule:
+    """Linear warmup then a staircase, indexed by the optimizer step s as `lr_schedule` — timm's
+    StepLRScheduler stepped per update (``--sched step --sched-on-updates``, warmup_prefix=False)
+    (docs/recipes.md#learning-rate-schedule):
+
+    lr(s) = warmup_init + (peak_lr − warmup_init) s / W          for s < W
+    lr(s) = peak_lr · decay_rate ^ (s // D)                       for s >= W
+    with W = warmup_steps and D = decay_steps (timm's decay_t, --decay-epochs × updates per epoch,
+    fractional as timm's 2.4 epochs): the decay counts from step 0, under the warmup. ``//`` is
+    Python's floor division, which timm's scheduler runs: jnp.floor_divide computes the same
+    quotient where ⌊s / D⌋ would not (s / D rounded up to an integer: s = 11, D = 1.1).
+    """
+    if not (warmup_steps >= 0 and decay_steps > 0):
+        raise ValueError(f"need warmup_steps >= 0 and decay_steps > 0, got {warmup_steps}, "
+                         f"{decay_steps}")
+
+    def schedule(count):
+        s = jnp.asarray(count, jnp.result_type(float))
+        warm = warmup_init + (peak_lr - warmup_init) * s / max(warmup_steps, 1)
+        staircase = peak_lr * decay_rate ** jnp.floor_divide(s, decay_steps)
+        return jnp.where(s < warmup_steps, warm, staircase)
+
+    return schedule
+
+
 def clip_grad_norm(max_norm: float = CLIP_NORM) -> optax.GradientTransformation:
     """torch.nn.utils.clip_grad_norm_ (timm's train.py --clip-grad, mode norm): every gradient
     times min(1, max_norm / (‖g‖ + 1e-6)), ‖g‖ over all tensors."""
@@ -102,9 +136,9 @@ def make_optimizer(kind: str, learning_rate, *, weight_decay: float, wx: bool, c
     """The optimizer ``kind`` (one of KINDS) with timm's / torch's semantics (module docstring).
 
     learning_rate: a float or an optax schedule of the optimizer step. weight_decay: L2 for
-    lamb, momentum and sgd (added to the gradient / Adam direction), decoupled for adamw. wx:
-    exclude 1-D tensors from the decay (and, for lamb, from the trust ratio). clip: torch's
-    clip_grad_norm_ at 1.0 first (`clip_grad_norm`; LAMB clips inside too, as timm's Lamb).
+    lamb, momentum, sgd and rmsproptf (added to the gradient / Adam direction), decoupled for
+    adamw. wx: exclude 1-D tensors from the decay (and, for lamb, from the trust ratio). clip:
+    torch's clip_grad_norm_ at 1.0 first (`clip_grad_norm`; LAMB clips inside too, as timm's).
     params: only their names and shapes are read (arrays or ShapeDtypeStructs).
     """
     if kind not in OPTIMIZERS:
@@ -115,6 +149,11 @@ def make_optimizer(kind: str, learning_rate, *, weight_decay: float, wx: bool, c
     chain = [clip_grad_norm(CLIP_NORM)] if clip else []
     if row.trust_ratio:
         chain.append(optax.clip_by_global_norm(CLIP_NORM))  # timm Lamb's own, max_grad_norm=1
+    if row.alpha is not None:  # RMSProp in TF's form, the lr inside the momentum (module doc)
+        return optax.chain(*chain, *decay, optax.scale_by_rms(
+            row.alpha, row.eps, initial_scale=1.0, eps_in_sqrt=True),
+            optax.scale_by_learning_rate(learning_rate, flip_sign=False),
+            optax.trace(decay=MOMENTUM), optax.scale(-1.0))
     if row.eps is not None:
         chain += [optax.scale_by_adam(*BETAS, eps=row.eps), *decay]
     else:
@@ -128,7 +167,11 @@ def make_optimizer(kind: str, learning_rate, *, weight_decay: float, wx: bool, c
 
 
 def recipe_schedule(recipe) -> optax.Schedule:
-    """A recipe's learning rate per optimizer step (`lr_schedule`)."""
+    """A recipe's learning rate per optimizer step: its warmup, then its cosine (`lr_schedule`)
+    or its step decay (`step_lr_schedule`)."""
+    if recipe.schedule == "step":
+        return step_lr_schedule(recipe.lr, recipe.warmup_steps, recipe.decay_steps,
+                                recipe.decay_rate, recipe.warmup_lr)
     return lr_schedule(recipe.lr, recipe.warmup_steps, recipe.total_steps, recipe.warmup_lr)
 
 

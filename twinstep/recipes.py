@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from decimal import Decimal
 from typing import NamedTuple
 
-from twinstep.defaults import BETAS, EMA_DECAY, EMA_WARMUPS, LABEL_SMOOTHING, MOMENTUM
+from twinstep.defaults import BETAS, EMA_DECAY, EMA_WARMUPS, LABEL_SMOOTHING, MOMENTUM, SCHEDULES
 from twinstep.errors import UsageError
 from twinstep.nets import NETS
 from twinstep.presets import PRESETS as PRESET_FIELDS
@@ -31,7 +31,10 @@ class Optimizer:
     token: str  # in a recipe name (AdamW with accumulation is "acc" alone)
     lr: float  # the peak learning rate when a recipe gives none
     weight_decay: float  # when the name has no wd token
-    eps: float | None = None  # an Adam's ε (its moments scale the update); None: SGD's momentum
+    # an Adam's ε (its moments scale the update) or an RMSProp's (inside the square root); None:
+    # SGD's momentum
+    eps: float | None = None
+    alpha: float | None = None  # RMSProp: its square average's smoothing α; None: not an RMSProp
     nesterov: bool = False  # SGD: Nesterov's momentum, else heavy-ball
     trust_ratio: bool = False  # LAMB: the per-tensor trust ratio, and its own clip inside
     what: str  # its name
@@ -40,10 +43,13 @@ class Optimizer:
     @property
     def text(self) -> str:
         """One line: what it is, with its hyper-parameters (`twinstep recipe`)."""
+        note = f", {self.note}" if self.note else ""
         if self.eps is not None:
             eps = f"{self.eps:.0e}".replace("e-0", "e-")
-            return f"{self.what}: β {BETAS[0]:g}/{BETAS[1]:g}, ε {eps}" + \
-                (f", {self.note}" if self.note else "")
+            if self.alpha is not None:
+                return (f"{self.what}: α {self.alpha:g}, ε {eps} inside the square root, "
+                        f"momentum {MOMENTUM:g}{note}")
+            return f"{self.what}: β {BETAS[0]:g}/{BETAS[1]:g}, ε {eps}{note}"
         momentum = "Nesterov" if self.nesterov else "heavy-ball"
         return f"{self.what}, {momentum} momentum {MOMENTUM:g}" + \
             (f" ({self.note})" if self.note else "")
@@ -58,6 +64,12 @@ OPTIMIZERS = {
     "momentum": Optimizer(token="mom", lr=0.1, weight_decay=1e-4, what="SGD"),
     "sgd": Optimizer(token="sgd", lr=0.1, weight_decay=1e-4, nesterov=True, what="SGD",
                      note="timm --opt sgd"),
+    # timm's EfficientNet-B0 recipe: --opt rmsproptf --opt-eps .001 --lr .048 --weight-decay 1e-5
+    # (2 processes x -b 384). The lr as published, not scaled to DEFAULT_BATCH, as every row's is
+    # its recipe's peak at that recipe's own global batch (LAMB's 2048, AdamW's 4096, SGD's 256)
+    "rmsproptf": Optimizer(token="rms", lr=0.048, weight_decay=1e-5, eps=1e-3, alpha=0.9,
+                           what="RMSProp (TF)",
+                           note="lr in the momentum, square average from 1"),
 }
 
 
@@ -68,7 +80,8 @@ class Recipe:
     to a recipe with the default lr, epochs, ...). `lr` None takes the optimizer's and
     `drop_path_rate` None the net's (`twinstep.nets.Net.DROP_PATH_RATE`): both are floats after
     construction (pass None to `dataclasses.replace` to re-derive them). The schedule defaults
-    to a smoke run's, 10 warmup steps of 100; the presets set the real one (docs/recipes.md)."""
+    to a smoke run's, 10 warmup steps of 100 and a cosine; the presets set the real one, and
+    ``schedule="step"`` is timm's step decay (docs/recipes.md#learning-rate-schedule)."""
 
     net: str
     dataset: str = "in"
@@ -96,6 +109,11 @@ class Recipe:
     warmup_steps: int = 10
     total_steps: int = 100
     warmup_lr: float = 0.0  # lr(0); `twinstep train` uses timm's --warmup-lr (defaults.WARMUP_LR)
+    schedule: str = "cosine"  # after the warmup: cosine | step (timm's --sched)
+    # step only: the lr times decay_rate every decay_steps optimizer steps, counted from step 0
+    # (timm's decay_t: --decay-epochs x updates per epoch, so it may be fractional)
+    decay_steps: float | None = None
+    decay_rate: float | None = None
     epochs: int | None = None
     eval_res: int | None = None  # the published evaluation's resolution; None: the train res
     # augmentation (`twinstep train --data DIR`; the embedded digits are not augmented)
@@ -119,12 +137,19 @@ class Recipe:
             fail(f"optimizer {self.optimizer!r}; expected one of: {', '.join(OPTIMIZERS)}")
         if self.ema_warmup not in EMA_WARMUPS:
             fail(f"ema_warmup {self.ema_warmup!r}; expected one of: {', '.join(EMA_WARMUPS)}")
+        if self.schedule not in SCHEDULES:
+            fail(f"schedule {self.schedule!r}; expected one of: {', '.join(SCHEDULES)}")
+        step = self.schedule == "step"
+        for field in ("decay_steps", "decay_rate"):  # the step schedule's, and only its
+            if (getattr(self, field) is None) == step:
+                fail(f"schedule {self.schedule!r} {'needs' if step else 'takes no'} {field}")
         if self.lr is None:
             put("lr", OPTIMIZERS[self.optimizer].lr)
         if self.drop_path_rate is None:
             put("drop_path_rate", NETS[self.net].DROP_PATH_RATE)
         for field in ("label_smoothing", "weight_decay", "lr", "drop_path_rate", "dropout_rate",
-                      "bce_threshold", "ema_decay", "warmup_lr", "mixup", "cutmix"):
+                      "bce_threshold", "ema_decay", "warmup_lr", "mixup", "cutmix",
+                      "decay_steps", "decay_rate"):
             value = getattr(self, field)
             if value is not None:
                 put(field, float(value) + 0.0)  # ints to floats, -0.0 to 0.0
@@ -144,6 +169,9 @@ class Recipe:
                 fail(f"{field} = {value!r}; expected {low} <= {field} < {high}")
         if not self.lr > 0:
             fail(f"lr = {self.lr!r}; expected > 0")
+        if step and not (0 < self.decay_steps < float("inf") and 0 < self.decay_rate <= 1):
+            fail(f"decay_steps = {self.decay_steps!r}, decay_rate = {self.decay_rate!r}; "
+                 "expected decay_steps > 0 and 0 < decay_rate <= 1")
         if not 0 <= self.warmup_lr <= self.lr:
             fail(f"warmup_lr = {self.warmup_lr!r}; expected 0 <= warmup_lr <= lr")
         if self.warmup_steps > self.total_steps:

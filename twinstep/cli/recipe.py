@@ -98,7 +98,11 @@ def describe(recipe: recipes.Recipe, replicas: int | None = None) -> list[tuple[
         ("ema_decay", f"{r.ema_decay:g}" + ("" if r.ema else " (unused)")),
         ("ema_warmup", r.ema_warmup + ("" if r.ema else " (unused)")),
         ("warmup_steps", f"{r.warmup_steps:,} (linear)"),
-        ("total_steps", f"{r.total_steps:,} (cosine)"),
+        ("total_steps", f"{r.total_steps:,}"),
+        ("schedule", "step: lr x decay_rate every decay_steps steps from step 0"
+         if r.schedule == "step" else "cosine: to 0 at total_steps"),
+        ("decay_steps", "-" if r.decay_steps is None else f"{r.decay_steps:g}"),
+        ("decay_rate", "-" if r.decay_rate is None else f"{r.decay_rate:g}"),
         ("epochs", "-" if r.epochs is None else str(r.epochs)),
         ("warmup_lr", f"{r.warmup_lr:g}"),
         ("randaugment", "-" if r.randaugment is None else f"rand-m{r.randaugment}-mstd0.5-inc1"),

@@ -208,7 +208,10 @@ class TrainConfig:
         if self.render is not None:
             return r
         given = {f: getattr(self, f) for f in AUGMENT_FIELDS if getattr(self, f) is not None}
-        # the recipe's warmup share (a preset's 5 epochs of its length, a name's tenth)
+        # the recipe's warmup share (a preset's 5 epochs of its length, a name's tenth), and a
+        # step decay's interval its share alike
+        if r.decay_steps is not None:
+            given["decay_steps"] = r.decay_steps * self.steps / r.total_steps
         return dataclasses.replace(r, batch=self.batch or r.batch, total_steps=self.steps,
                                    warmup_steps=self.steps * r.warmup_steps // r.total_steps,
                                    warmup_lr=min(WARMUP_LR, r.lr), **given)
@@ -245,11 +248,14 @@ def check_run_dir(cfg: TrainConfig) -> bool:
     # mathematics), so the recipe is compared field by field without N
     old_recipe, new_recipe = ({k: v for k, v in c.get("resolved_recipe", {}).items()
                                if k != "batch"} for c in (old, new))
-    # a field a run older than it did not record had its default
+    # a field a run older than it did not record had its default (the recipe's alike)
     was = {f.name: old.get(f.name, f.default) for f in dataclasses.fields(TrainConfig)}
     changed = [(f, was[f], new[f]) for f in RESUME_FIELDS if was[f] != new[f]]
-    changed += [(f"recipe field {k}", old_recipe.get(k), v) for k, v in new_recipe.items()
-                if old_recipe.get(k) != v]
+    recipe_was = {f.name: old_recipe.get(f.name, None if f.default is dataclasses.MISSING
+                                         else f.default)
+                  for f in dataclasses.fields(recipes.Recipe)}
+    changed += [(f"recipe field {k}", recipe_was.get(k), v) for k, v in new_recipe.items()
+                if recipe_was.get(k) != v]
     if changed:
         field, was, now = changed[0]
         raise UsageError(f"{cfg.out} holds a run with {field} = {was!r}, not {now!r}: use "
