@@ -56,8 +56,8 @@ SWEEP_PHASES = (tuple(Phase) if os.environ.get("TWINSTEP_HYPOTHESIS") == "all"
 # whole steps, MobileNetV4's are dominated by compiling; ResNet-50's by running, so they run at
 # the default (its R = 4 whole-step tie: 148 s at -O0, 34 s at the default). ResNet-18's small
 # steps, which the process tests run, are compiling's too (a 3-step f64 run at 32²: 25 s cold
-# at -O0, 32 s at the default).
-FAST_COMPILE_NETS = {"mnv4", "resnet18"}
+# at -O0, 32 s at the default). The other mobile nets' steps, depthwise as MobileNetV4's, too.
+FAST_COMPILE_NETS = {"mnv4", "mnv4s", "mnv4l", "mobilenetv2", "efficientnet", "resnet18"}
 
 _LIBC = ctypes.CDLL("libc.so.6")
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import FAST_COMPILE_NETS
 
-from twinstep import UsageError
+from twinstep import UsageError, recipes
 from twinstep.nets import get_net
 from twinstep.processes import cluster, launcher
 from twinstep.training.checkpoint import load_state
@@ -348,15 +348,19 @@ def test_a_render_ties_across_processes_and_a_broken_one_fails_there(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.all
-def test_a_recipe_ties_across_processes_and_its_control_fails_there():
-    """`tie --recipe` under the launcher (R = 4 over 2 processes, f64, two steps of AdamW with
-    EMA, drop-path and dropout): every state tensor within its bound; with the masks
-    replicated — each replica drawing the whole batch's masks — NOT tied."""
-    tie = ["tie", "--recipe", "mnv4in_emaadamdp2wxdropdo", "--replicas", "4", "--batch", "1",
-           "--steps", "2", *(["--fast-compile"] if "mnv4" in FAST_COMPILE_NETS else [])]
+@pytest.mark.parametrize("recipe,tensors", [("mnv4in_emaadamdp2wxdropdo", 1243),
+                                            ("efficientnetin_emarmsdp2wxdropdo", 1050)])
+def test_a_recipe_ties_across_processes_and_its_control_fails_there(recipe, tensors):
+    """`tie --recipe` under the launcher (R = 4 over 2 processes, f64, two steps with EMA,
+    drop-path and dropout: AdamW on MobileNetV4, RMSProp on EfficientNet-B0): every state tensor
+    within its bound; with the masks replicated — each replica drawing the whole batch's
+    masks — NOT tied."""
+    net = recipes.parse(recipe).net
+    tie = ["tie", "--recipe", recipe, "--replicas", "4", "--batch", "1",
+           "--steps", "2", *(["--fast-compile"] if net in FAST_COMPILE_NETS else [])]
     done = subprocess.run(_launch(*tie), capture_output=True, text=True, timeout=WAIT_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr
-    assert "[0] tied over 2 steps: 1243/1243 state tensors" in done.stdout
+    assert f"[0] tied over 2 steps: {tensors}/{tensors} state tensors" in done.stdout
     broken = subprocess.run(_launch(*tie, "--control", "replicated-masks"), capture_output=True,
                             text=True, timeout=WAIT_S)
     assert broken.returncode == 1 and "[0] NOT tied" in broken.stdout, broken.stderr

@@ -35,8 +35,10 @@ ADAMW_EMA_MASKS = "mnv4in_emaadamdp2wxdropdo"  # AdamW, EMA, drop-path, dropout
 STEP_FEATURES = "resnet18in_emaaccdp2x2wxclipdropdobce"
 MNV4_FEATURES = "mnv4in_emaaccdp2x2wxclipdropdobce"
 EVERY_FEATURE = "mnv4in_emalambaccdp2x2wxclipdropdobce"
+# EfficientNet-B0's family with RMSProp in TensorFlow's form (test-all)
+EFFICIENTNET_FEATURES = "efficientnetin_emarmsaccdp2x2wxclipdropdobce"
 # parameter tensors, BN sites
-COUNTS = {"resnet18": (62, 20), "mnv4": (233, 77)}
+COUNTS = {"resnet18": (62, 20), "mnv4": (233, 77), "efficientnet": (213, 49)}
 
 
 def run(name: str, replicas: int, steps: int = 3, control: str = "none",
@@ -60,7 +62,8 @@ def fields(report: trajectory.StepsReport) -> dict:
 @pytest.mark.xdist_group("steps-tie")
 @pytest.mark.parametrize("name", [STEP_FEATURES,
                                   *(pytest.param(n, marks=pytest.mark.all)
-                                    for n in (MNV4_FEATURES, EVERY_FEATURE))])
+                                    for n in (MNV4_FEATURES, EVERY_FEATURE,
+                                              EFFICIENTNET_FEATURES))])
 def test_step_features_tie_over_two_steps(name, tmp_path):
     """Two steps: the first at lr(0) = 0 moves the optimizer state, the running statistics and
     the EMA; the second moves the parameters from there. (Its control, in make test too:
