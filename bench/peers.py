@@ -3,7 +3,9 @@ twinstep against its two peers, timed in the same run:
 
   twinstep   the recipe ``<net>in_adamdp<N>`` on R virtual CPU devices (its explicit backward)
   flax       the natural JAX peer (bench/flax_peer.py): Flax NNX with nnx.BatchNorm(axis_name)
-             under shard_map, jax.grad, one pmean per gradient tensor, optax.adamw
+             under shard_map, jax.grad, one pmean per gradient tensor, optax.adamw — for
+             ResNet-50 and MobileNetV4-Conv-M only (`flax_peer.NETS`); the other nets' rows
+             compare twinstep with torch alone
   torch      timm's model with torch autograd and torch.optim.AdamW, the global batch R N in
              one process (torch's own threads)
 
@@ -15,9 +17,9 @@ temporaries) for the JAX peers; for torch the peak resident-set growth in a fres
 building the model and two steps. Each replica count runs in a process of its own with exactly
 R virtual devices. Rewrites the section "Peers" of bench/RESULTS.md and draws bench/peers.png.
 
-    python bench/peers.py [--nets resnet50 mnv4] [--res 64 128] [--replicas 2 4]
-                          [--mnv4-res 64] [--mnv4-replicas 2] [--global-batch 8] [--runs 5]
-                          [--xla-flags ...]
+    python bench/peers.py [--nets resnet50 mnv4 ...] [--res 64 128] [--replicas 2 4]
+                          [--mnv4-res 64] [--mnv4-replicas 2] [--other-res 64]
+                          [--other-replicas 2] [--global-batch 8] [--runs 5] [--xla-flags ...]
 """
 
 from __future__ import annotations
@@ -33,16 +35,21 @@ import tempfile
 import time
 from pathlib import Path
 
+from twinstep.nets import NETS  # starts no JAX backend: XLA_FLAGS below still apply
+
 
 def _args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nets", nargs="+", default=["resnet50", "mnv4"])
+    ap.add_argument("--nets", nargs="+", default=list(NETS), choices=list(NETS))
     ap.add_argument("--res", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--mnv4-res", type=int, nargs="+", default=[64],
                     help="MobileNetV4's resolutions: the Flax peer's grouped depthwise "
                          "convolutions take minutes a step on XLA:CPU at 128²")
     ap.add_argument("--mnv4-replicas", type=int, nargs="+", default=[2])
     ap.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--other-res", type=int, nargs="+", default=[64],
+                    help="the resolutions of the nets without a Flax peer")
+    ap.add_argument("--other-replicas", type=int, nargs="+", default=[2])
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--classes", type=int, default=1000)
@@ -153,15 +160,17 @@ def peers(name: str, res: int, replicas: int, global_batch: int, classes: int) -
     compiled, seconds, planned = _compiled(made.step, state, *args)
     out["twinstep"] = (Runner(compiled, state, *args), seconds, planned)
 
-    # the peer's own AdamW (optax's, no mask: the recipe decays every tensor) at the schedule
-    opt = optax.adamw(optim.recipe_schedule(recipe), *optim.BETAS, eps=optim.EPS["adamw"],
-                      weight_decay=recipe.effective_weight_decay)
-    model = flax_peer.from_twinstep(name, params, buffers, classes, dp.AXIS if replicas > 1
-                                    else None)
-    step, fstate = flax_peer.train_step_fn(name, model, opt, replicas, dp.AXIS)
-    fargs = (jnp.asarray(x), jnp.asarray(t))
-    compiled, seconds, planned = _compiled(step, fstate, *fargs)
-    out["flax"] = (Runner(compiled, fstate, *fargs), seconds, planned)
+    if name in flax_peer.NETS:
+        # the peer's own AdamW (optax's, no mask: the recipe decays every tensor) at the
+        # schedule
+        opt = optax.adamw(optim.recipe_schedule(recipe), *optim.BETAS, eps=optim.EPS["adamw"],
+                          weight_decay=recipe.effective_weight_decay)
+        model = flax_peer.from_twinstep(name, params, buffers, classes, dp.AXIS if replicas > 1
+                                        else None)
+        step, fstate = flax_peer.train_step_fn(name, model, opt, replicas, dp.AXIS)
+        fargs = (jnp.asarray(x), jnp.asarray(t))
+        compiled, seconds, planned = _compiled(step, fstate, *fargs)
+        out["flax"] = (Runner(compiled, fstate, *fargs), seconds, planned)
 
     tmodel = parity.to_timm(net, params, buffers, classes, "float32").train()
     topt = torch.optim.AdamW(tmodel.parameters(), lr=float(recipe.lr), betas=optim.BETAS,
@@ -188,8 +197,8 @@ def _png(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
     y = np.arange(len(rows))
     for i, peer in enumerate(("flax", "torch")):
-        ax.barh(y + 0.2 * (2 * i - 1), [r["ratios"][peer][0] for r in rows], height=0.4,
-                label=f"{peer} time / twinstep time")
+        ax.barh(y + 0.2 * (2 * i - 1), [r["ratios"].get(peer, (np.nan,))[0] for r in rows],
+                height=0.4, label=f"{peer} time / twinstep time")
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_yticks(y, labels)
     ax.set_xlabel("step-time ratio (> 1: twinstep is faster)")
@@ -201,13 +210,15 @@ def _png(rows: list[dict], path: Path) -> None:
 def _row(row: dict, n: int, made: dict) -> str:
     """A table row: the medians, the paired ratios [interquartile range], compile seconds and
     MiB."""
-    tw, mib = row["twinstep"], {p: made[p][2] / 2**20 for p in PEERS}
-    ratio = {p: "**{:.2f}** [{:.2f}, {:.2f}]".format(*row["ratios"][p]) for p in row["ratios"]}
-    return (f"| {row['net']} | {row['res']}² | {row['replicas']} × {n} | {tw * 1e3:.0f} | "
-            f"{row['flax'] * 1e3:.0f} | {row['torch'] * 1e3:.0f} | "
-            f"{ratio['flax']} | {ratio['torch']} | "
-            f"{made['twinstep'][1]:.0f} / {made['flax'][1]:.0f} | "
-            f"{mib['twinstep']:.0f} / {mib['flax']:.0f} / {mib['torch']:.0f} |")
+    mib = {p: f"{made[p][2] / 2**20:.0f}" if p in made else "–" for p in PEERS}
+    ratio = {p: "**{:.2f}** [{:.2f}, {:.2f}]".format(*row["ratios"][p]) if p in row["ratios"]
+             else "–" for p in PEERS}
+    ms = {p: f"{row[p] * 1e3:.0f}" if p in row else "–" for p in PEERS}
+    flax_compile = f"{made['flax'][1]:.0f}" if "flax" in made else "–"
+    return (f"| {row['net']} | {row['res']}² | {row['replicas']} × {n} | {ms['twinstep']} | "
+            f"{ms['flax']} | {ms['torch']} | {ratio['flax']} | {ratio['torch']} | "
+            f"{made['twinstep'][1]:.0f} / {flax_compile} | "
+            f"{mib['twinstep']} / {mib['flax']} / {mib['torch']} |")
 
 
 def _measure(args, configs) -> tuple[list, list]:
@@ -216,9 +227,10 @@ def _measure(args, configs) -> tuple[list, list]:
     rows, lines = [], []
     for name, res, r in configs:
         made = peers(name, res, r, args.global_batch, args.classes)
-        times = interleaved_times({p: made[p][0] for p in PEERS}, runs=args.runs)
+        times = interleaved_times({p: made[p][0] for p in PEERS if p in made}, runs=args.runs)
         med = {p: statistics.median(ts) for p, ts in times.items()}
-        ratios = {p: paired_ratio(times[p], times["twinstep"]) for p in ("flax", "torch")}
+        ratios = {p: paired_ratio(times[p], times["twinstep"]) for p in ("flax", "torch")
+                  if p in times}
         rows.append({"net": name, "res": res, "replicas": r, **med, "ratios": ratios})
         lines.append(_row(rows[-1], args.global_batch // r, made))
         print(lines[-1], flush=True)
@@ -235,8 +247,9 @@ def _in_process_per_count(args, configs) -> tuple[list, list]:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rows.json"
             subprocess.run([sys.executable, __file__, "--nets", *nets, "--replicas", str(r),
-                            "--mnv4-replicas", str(r), "--res", *map(str, args.res),
-                            "--mnv4-res", *map(str, args.mnv4_res), "--global-batch",
+                            "--mnv4-replicas", str(r), "--other-replicas", str(r),
+                            "--res", *map(str, args.res), "--mnv4-res", *map(str, args.mnv4_res),
+                            "--other-res", *map(str, args.other_res), "--global-batch",
                             str(args.global_batch), "--runs", str(args.runs), "--classes",
                             str(args.classes), "--rows-to", str(out)], check=True)
             got = json.loads(out.read_text())
@@ -246,9 +259,14 @@ def _in_process_per_count(args, configs) -> tuple[list, list]:
 
 
 def main(args) -> None:
-    configs = [(name, res, r) for name in args.nets
-               for res in (args.mnv4_res if name == "mnv4" else args.res)
-               for r in (args.mnv4_replicas if name == "mnv4" else args.replicas)]
+    def grid(name):  # (resolutions, replica counts) of a net's rows
+        if name not in flax_peer.NETS:
+            return args.other_res, args.other_replicas
+        return ((args.mnv4_res, args.mnv4_replicas) if name == "mnv4"
+                else (args.res, args.replicas))
+
+    configs = [(name, res, r) for name in args.nets for res in grid(name)[0]
+               for r in grid(name)[1]]
     if args.rows_to:  # a child of `_in_process_per_count`: one replica count
         dp.ensure_devices(configs[0][2])
         rows, lines = _measure(args, configs)

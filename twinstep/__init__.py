@@ -1,4 +1,4 @@
-"""twinstep: data-parallel ResNet-50 and MobileNetV4-Conv-M with synchronised BatchNorm, whose
+"""twinstep: data-parallel BatchNorm nets (docs/nets.md) with synchronised BatchNorm, whose
 R-replica train step is tied to the single-device step at the global batch R·N.
 
     import twinstep
