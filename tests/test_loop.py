@@ -34,6 +34,7 @@ from oracle_libs import timm, torch
 from timm_handover import MOMENTS, hand_masks, start_from
 
 from twinstep.checking import bounds
+from twinstep.optimizers import OPTIMIZERS
 
 # one worker runs them in order, each recipe's run shared by its tests; a recipe peaks at ~6.5 GB
 # (the CLI's process, then timm's three loops and one checkpoint) and writes ~8 GB of
@@ -324,12 +325,12 @@ def oracle(request, tmp_path_factory):
 
 
 def test_the_loop_oracle_holds_every_optimizer():
-    """Each optimizer of the catalogue (`twinstep.recipes.OPTIMIZERS`) has a loop against timm's
+    """Each optimizer of the catalogue (`twinstep.optimizers.OPTIMIZERS`) has a loop against timm's
     in SETTINGS: a row added without one fails here."""
     from twinstep import recipes
 
     held = {recipes.parse(name).optimizer for name, _, _ in SETTINGS.values()}
-    assert held == set(recipes.OPTIMIZERS), set(recipes.OPTIMIZERS) - held
+    assert held == set(OPTIMIZERS), set(OPTIMIZERS) - held
 
 
 def test_the_loop_is_timms_every_tensor_every_step(oracle):

@@ -14,6 +14,7 @@ from twinstep import recipes
 from twinstep.cli import main
 from twinstep.cli.recipe import describe
 from twinstep.nets import NETS
+from twinstep.optimizers import OPTIMIZERS
 from twinstep.presets import IMAGENET_TRAIN_IMAGES, REFERENCE_NAMES
 from twinstep.recipes import PRESETS, Recipe, UsageError, parse
 
@@ -87,17 +88,19 @@ decimals = st.one_of(st.none(), st.sampled_from([0.0, 0.05, 0.1, 1e-4]),
 
 
 @settings(max_examples=300)
-@given(net=st.sampled_from(sorted(NETS)), res=st.one_of(st.none(), st.integers(1, 999)),
-       optimizer=st.sampled_from(sorted(recipes.OPTIMIZERS)), accum=st.integers(1, 64),
+@given(net=st.sampled_from(sorted(NETS)), dataset=st.sampled_from(sorted(recipes.DATASETS)),
+       res=st.one_of(st.none(), st.integers(1, 999)),
+       optimizer=st.sampled_from(sorted(OPTIMIZERS)), accum=st.integers(1, 64),
        batch=st.integers(1, 4096), flags=st.lists(st.booleans(), min_size=9, max_size=9),
        label_smoothing=decimals,
        weight_decay=st.one_of(decimals, st.floats(0, 10, exclude_max=True)))
-def test_random_recipes_round_trip(net, res, optimizer, accum, batch, flags, label_smoothing,
-                                   weight_decay):
+def test_random_recipes_round_trip(net, dataset, res, optimizer, accum, batch, flags,
+                                   label_smoothing, weight_decay):
     dp, wx, clip, drop, dropout, bce, bf16, ema, _ = flags
-    r = Recipe(net=net, res=res, optimizer=optimizer, accum=accum, dp=dp, batch=batch, wx=wx,
-               clip=clip, drop=drop, dropout=dropout, bce=bce, label_smoothing=label_smoothing,
-               weight_decay=weight_decay, bf16=bf16, ema=ema)
+    res = res if dataset else None  # your own images: the resolution is train --res's
+    r = Recipe(net=net, dataset=dataset, res=res, optimizer=optimizer, accum=accum, dp=dp,
+               batch=batch, wx=wx, clip=clip, drop=drop, dropout=dropout, bce=bce,
+               label_smoothing=label_smoothing, weight_decay=weight_decay, bf16=bf16, ema=ema)
     assert parse(r.name) == r, r.name
     assert parse(r.name).name == r.name
 
@@ -120,8 +123,8 @@ MALFORMED = [
     ("resnet50im_lamb", "unknown net in 'resnet50im'"),  # not resnet50 on a dataset 'im'
     ("mnv4xin_adam", "unknown net in 'mnv4xin'"),
     ("mnv4-in_adam", "unknown net in 'mnv4-in'"),
-    ("resnet50_lamb", "missing <data> after 'resnet50'"),
-    ("mnv4224_adam", "missing <data> after 'mnv4'"),
+    ("mnv4224_adam", "a <res> needs its <data> before it: mnv4in224_"),
+    ("resnet18160_mom", "or no <res> and train --res 160"),
     ("resnet50inlamb", "missing '_'"),
     ("", "empty"),
     ("resnet50in_lambwd", "'wd' needs digits"),
@@ -154,8 +157,8 @@ def test_unknown_net_names_the_nets_and_datasets():
     with pytest.raises(UsageError) as e:
         parse("mnv4xin_adam")
     assert str(e.value) == (
-        "bad recipe name 'mnv4xin_adam': unknown net in 'mnv4xin'; expected <net><data>[<res>] "
-        f"with <net> one of: {', '.join(NETS)} and <data> one of: {', '.join(recipes.DATASETS)}")
+        "bad recipe name 'mnv4xin_adam': unknown net in 'mnv4xin'; expected "
+        f"<net>[<data>[<res>]] with <net> one of: {', '.join(NETS)} and <data> in or none")
 
 
 def test_the_seeds_spelling_of_resnet34s_step():
@@ -180,7 +183,7 @@ def _misread(monkeypatch, nets_in_order) -> list[tuple[str, str]]:
     monkeypatch.setattr(recipes, "NETS", {n: NETS["mnv4"] for n in nets_in_order})
     wrong = []
     for net in sorted({n for pair in PREFIX_PAIRS for n in pair}):
-        for name in (f"{net}in_adam", f"{net}in160_adam"):
+        for name in (f"{net}in_adam", f"{net}in160_adam", f"{net}_adam"):
             try:
                 got = parse(name).net
             except UsageError as e:
@@ -197,7 +200,7 @@ def test_longest_net_name_wins_whatever_the_order(monkeypatch, order):
     assert _misread(monkeypatch, order) == []
     with pytest.raises(UsageError) as e:  # a made-up net that a known one prefixes
         parse("mnv4xin_adam")
-    assert "unknown net in 'mnv4xin'; expected <net><data>[<res>] with <net> one of: " in \
+    assert "unknown net in 'mnv4xin'; expected <net>[<data>[<res>]] with <net> one of: " in \
         str(e.value)
     assert all(n in str(e.value) for n in FUTURE_NETS)
 
@@ -209,14 +212,14 @@ def test_first_prefix_rule_fails_the_check(monkeypatch):
                         lambda head, nets: next((n for n in nets if head.startswith(n)), None))
     wrong = dict(_misread(monkeypatch, BY_LENGTH))
     assert set(wrong) == {f"{longer}{rest}" for _, longer in PREFIX_PAIRS
-                          for rest in ("in_adam", "in160_adam")}
+                          for rest in ("in_adam", "in160_adam", "_adam")}
     assert "unknown net in 'mnv4sin'" in wrong["mnv4sin_adam"]
     assert _misread(monkeypatch, BY_LENGTH[::-1]) == []  # the order hid it
 
 
 def test_grammar_is_built_from_the_step_tokens():
     docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "recipes.md")).read()
-    assert recipes.GRAMMAR == ("<net><data>[<res>]_[ema]<opt>[acc][dp][<k>x][<N>][wx][clip]"
+    assert recipes.GRAMMAR == ("<net>[<data>[<res>]]_[ema]<opt>[acc][dp][<k>x][<N>][wx][clip]"
                                "[drop][do][bce][ls<a>][wd<d>][bf16]")
     assert f"\n    {recipes.GRAMMAR}\n" in docs
 
@@ -389,7 +392,7 @@ def test_cli_help_lists_grammar_and_presets(capsys):
 
 
 def test_each_optimizer_is_one_row_that_the_grammar_and_the_docs_follow():
-    """twinstep.recipes.OPTIMIZERS is the catalogue: each row's token parses to it and back, its
+    """twinstep.optimizers.OPTIMIZERS is the catalogue: each row's token parses to it and back, its
     default lr and weight decay are a recipe's, `twinstep recipe` prints its text, and the
     docs' tables (docs/recipes.md: the <opt> token, the defaults) name its token and values."""
     docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "recipes.md")).read()
@@ -397,7 +400,7 @@ def test_each_optimizer_is_one_row_that_the_grammar_and_the_docs_follow():
     for line in docs.splitlines():
         if line.startswith("| "):
             rows.setdefault(line.split("|")[1].strip(), line)
-    for kind, row in recipes.OPTIMIZERS.items():
+    for kind, row in OPTIMIZERS.items():
         r = parse(f"resnet50in_{row.token}")
         assert r.optimizer == kind and r.name == f"resnet50in_{row.token}"
         assert (r.lr, r.effective_weight_decay) == (row.lr, row.weight_decay)
@@ -409,3 +412,16 @@ def test_each_optimizer_is_one_row_that_the_grammar_and_the_docs_follow():
 
 def _numbers(text: str) -> set[float]:
     return {float(x) for x in re.findall(r"\d[\d.]*(?:e-?\d+)?", text)}
+
+
+def test_a_recipe_for_your_own_images_needs_no_imagenet_token():
+    """`<data>` may be left out (your own images, `--data`'s classes): `mnv4_adamdp16` is its own
+    canonical name, and the seeds' `in` spellings still parse. A resolution then comes from
+    `train --res`: in the name it would read as part of the net's ('resnet18224'), and a
+    `Recipe` holding one refuses itself (its name could not say it)."""
+    own = parse("mnv4_adamdp16")
+    assert (own.net, own.dataset, own.name) == ("mnv4", "", "mnv4_adamdp16")
+    assert parse("mnv4in_adamdp16").dataset == "in" and parse("mnv4sin_adam").net == "mnv4s"
+    assert parse("mnv4s_adam").net == "mnv4s" and parse("efficientnet_rmsdp2").net == "efficientnet"
+    with pytest.raises(UsageError, match="res 64 needs the dataset 'in'"):
+        Recipe(net="mnv4", dataset="", res=64, optimizer="adamw")

@@ -23,7 +23,7 @@ def optimizer(model, recipe, control: str = "none"):
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):
                 m.momentum = 0.01
-    from twinstep.recipes import OPTIMIZERS
+    from twinstep.optimizers import OPTIMIZERS
 
     betas = {"betas": ADAM_BETAS_CONTROL} if control == "adam-betas" else {}
     # --opt-eps: the row's ε (RMSpropTF's default, 1e-10, is not the recipe's 1e-3; SGD has none)

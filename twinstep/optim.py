@@ -3,7 +3,7 @@ update, and the LR.
 
 Parameters, gradients and updates are flat dicts {timm name: array}; every optimizer is one
 ``optax.chain`` of optax's own transforms, composed from its row of the catalogue
-(`twinstep.recipes.OPTIMIZERS`: its ε, momentum, trust ratio):
+(`twinstep.optimizers.OPTIMIZERS`: its ε, momentum, trust ratio):
 
   kind      timm / torch                       chain (after the recipe's optional clip)
   lamb      timm Lamb (β .9/.999, ε 1e-6)      clip_by_global_norm(1), scale_by_adam,
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import optax
 
 from twinstep.defaults import BETAS, MOMENTUM
-from twinstep.recipes import OPTIMIZERS
+from twinstep.optimizers import OPTIMIZERS
 
 KINDS = tuple(OPTIMIZERS)
 # Kinds that take a norm of every tensor (LAMB's trust ratio ||θ|| / ||r||): with the optimizer

@@ -14,63 +14,16 @@ from collections.abc import Iterable
 from decimal import Decimal
 from typing import NamedTuple
 
-from twinstep.defaults import BETAS, EMA_DECAY, EMA_WARMUPS, LABEL_SMOOTHING, MOMENTUM, SCHEDULES
+from twinstep.defaults import EMA_DECAY, EMA_WARMUPS, LABEL_SMOOTHING, SCHEDULES
 from twinstep.errors import UsageError
 from twinstep.nets import NETS
+from twinstep.optimizers import OPTIMIZERS
 from twinstep.presets import PRESETS as PRESET_FIELDS
 
-DATASETS = {"in": "ImageNet-1k"}
+# the <data> token: "in" names ImageNet-1k (the seeds' spelling, the presets'), none your own
+# images, whose classes come from --data's folder
+DATASETS = {"in": "ImageNet-1k", "": "your own images: --data's classes"}
 DEFAULT_BATCH = 32
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Optimizer:
-    """One optimizer of the recipes: what its name token, defaults and update are. Its optax
-    chain is composed from these fields (`twinstep.optim.make_optimizer`)."""
-
-    token: str  # in a recipe name (AdamW with accumulation is "acc" alone)
-    lr: float  # the peak learning rate when a recipe gives none
-    weight_decay: float  # when the name has no wd token
-    # an Adam's ε (its moments scale the update) or an RMSProp's (inside the square root); None:
-    # SGD's momentum
-    eps: float | None = None
-    alpha: float | None = None  # RMSProp: its square average's smoothing α; None: not an RMSProp
-    nesterov: bool = False  # SGD: Nesterov's momentum, else heavy-ball
-    trust_ratio: bool = False  # LAMB: the per-tensor trust ratio, and its own clip inside
-    what: str  # its name
-    note: str = ""  # what sets it apart
-
-    @property
-    def text(self) -> str:
-        """One line: what it is, with its hyper-parameters (`twinstep recipe`)."""
-        note = f", {self.note}" if self.note else ""
-        if self.eps is not None:
-            eps = f"{self.eps:.0e}".replace("e-0", "e-")
-            if self.alpha is not None:
-                return (f"{self.what}: α {self.alpha:g}, ε {eps} inside the square root, "
-                        f"momentum {MOMENTUM:g}{note}")
-            return f"{self.what}: β {BETAS[0]:g}/{BETAS[1]:g}, ε {eps}{note}"
-        momentum = "Nesterov" if self.nesterov else "heavy-ball"
-        return f"{self.what}, {momentum} momentum {MOMENTUM:g}" + \
-            (f" ({self.note})" if self.note else "")
-
-
-# the catalogue: a new optimizer is a row here (and, if its update is new, its chain there)
-OPTIMIZERS = {
-    "lamb": Optimizer(token="lamb", lr=5e-3, weight_decay=0.02, eps=1e-6, trust_ratio=True,
-                      what="LAMB", note="per-tensor trust ratio"),
-    "adamw": Optimizer(token="adam", lr=4e-3, weight_decay=0.05, eps=1e-8, what="AdamW",
-                       note="decoupled decay"),
-    "momentum": Optimizer(token="mom", lr=0.1, weight_decay=1e-4, what="SGD"),
-    "sgd": Optimizer(token="sgd", lr=0.1, weight_decay=1e-4, nesterov=True, what="SGD",
-                     note="timm --opt sgd"),
-    # timm's EfficientNet-B0 recipe: --opt rmsproptf --opt-eps .001 --lr .048 --weight-decay 1e-5
-    # (2 processes x -b 384). The lr as published, not scaled to DEFAULT_BATCH, as every row's is
-    # its recipe's peak at that recipe's own global batch (LAMB's 2048, AdamW's 4096, SGD's 256)
-    "rmsproptf": Optimizer(token="rms", lr=0.048, weight_decay=1e-5, eps=1e-3, alpha=0.9,
-                           what="RMSProp (TF)",
-                           note="lr in the momentum, square average from 1"),
-}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -132,7 +85,9 @@ class Recipe:
         if self.net not in NETS:
             fail(f"net {self.net!r}; expected one of: {', '.join(NETS)}")
         if self.dataset not in DATASETS:
-            fail(f"dataset {self.dataset!r}; expected one of: {', '.join(DATASETS)}")
+            fail(f"dataset {self.dataset!r}; expected one of: {', '.join(map(repr, DATASETS))}")
+        if not self.dataset and self.res is not None:  # its name could not say it
+            fail(f"res {self.res} needs the dataset 'in' (your own images: train --res)")
         if self.optimizer not in OPTIMIZERS:
             fail(f"optimizer {self.optimizer!r}; expected one of: {', '.join(OPTIMIZERS)}")
         if self.ema_warmup not in EMA_WARMUPS:
@@ -271,7 +226,7 @@ STEP_TOKENS = (
     StepToken("bf16", re.compile("bf16")),
 )
 _TOKENS = ", ".join(o.token for o in OPTIMIZERS.values())
-HEAD = "<net><data>[<res>]"  # before the '_'
+HEAD = "<net>[<data>[<res>]]"  # before the '_'
 GRAMMAR = HEAD + "_" + "".join(f"[{t.label}]" if t.optional else t.label for t in STEP_TOKENS)
 
 
@@ -344,9 +299,9 @@ def _parse_grammar(name: str) -> Recipe:
     if len(name) > MAX_NAME or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         fail(f"a name is at most {MAX_NAME} ASCII letters, digits, '_', '-' and '.'")
     head, sep, tail = name.partition("_")
-    datasets = ", ".join(DATASETS)
+    datasets = ", ".join(d for d in DATASETS if d) + " or none"
     unknown_net = (f"unknown net in {head!r}; expected {HEAD} with <net> one of: "
-                   f"{', '.join(NETS)} and <data> one of: {datasets}")
+                   f"{', '.join(NETS)} and <data> {datasets}")
     net = _net_of(head, NETS)
     if net is None:
         fail(unknown_net)
@@ -354,8 +309,9 @@ def _parse_grammar(name: str) -> Recipe:
         fail(f"missing '_' after {HEAD}; expected {GRAMMAR}")
     m = re.compile(r"\D*").match(head, len(net))  # <data>: up to <res>'s digits
     dataset, res_digits = m.group(), head[m.end():]
-    if not dataset:
-        fail(f"missing <data> after {net!r}; expected one of: {datasets}")
+    if not dataset and res_digits:  # 'resnet18224' would read as another net's name
+        fail(f"a <res> needs its <data> before it: {net}in{res_digits}_... (ImageNet-1k), or "
+             f"no <res> and train --res {res_digits}")
     if dataset not in DATASETS:
         # a known net's name is the start of one we do not know: 'mnv4xin' is no net of ours,
         # not mnv4 on a dataset 'xin'

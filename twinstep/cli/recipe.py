@@ -7,13 +7,14 @@ import argparse
 import dataclasses
 import json
 
-from rich.console import Console
 from rich.table import Table
 
 from twinstep import recipes
 from twinstep.cli import options
+from twinstep.cli.console import report_console
 from twinstep.data.transforms import CROP_PCT
 from twinstep.errors import ExitStatus
+from twinstep.optimizers import OPTIMIZERS
 
 
 def add(p) -> None:
@@ -49,7 +50,7 @@ def run(args, parser) -> int:
     table.add_column("value")
     for label, value in describe(r, args.replicas):
         table.add_row(label, value)
-    Console().print(table)
+    report_console().print(table)
     return ExitStatus.SUCCESS
 
 
@@ -66,13 +67,13 @@ def describe(recipe: recipes.Recipe, replicas: int | None = None) -> list[tuple[
     rows = [
         ("name", r.name),
         ("net", r.net),
-        ("dataset", f"{r.dataset} ({recipes.DATASETS[r.dataset]})"),
+        ("dataset", f"{r.dataset or '-'} ({recipes.DATASETS[r.dataset]})"),
         ("res", f"{r.train_res}" + (" (the net's default)" if r.res is None else "")),
         ("eval_res", f"{r.test_res}" + (" (the train res)" if r.eval_res is None else "")
          + f", centre crop {CROP_PCT:g}"),
-        ("optimizer", f"{r.optimizer} ({recipes.OPTIMIZERS[r.optimizer].text})"),
+        ("optimizer", f"{r.optimizer} ({OPTIMIZERS[r.optimizer].text})"),
         ("lr", f"{r.lr:g}" + (" (the optimizer's default)"
-                               if r.lr == recipes.OPTIMIZERS[r.optimizer].lr else "")),
+                               if r.lr == OPTIMIZERS[r.optimizer].lr else "")),
         ("weight_decay", f"{wd:g}" + (" (the optimizer's default)" if r.weight_decay is None
                                       else "")),
         ("wx", yes(r.wx, "yes: no weight decay on 1-D tensors")),
