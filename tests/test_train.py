@@ -573,3 +573,20 @@ def test_every_net_trains_exports_its_weights_to_timm_and_renders_a_tied_step(na
     report = api.tie_render(str(tmp_path / "render" / f"{recipe}.jaxexport"), steps=2,
                             fast_compile=True)
     assert report.ok, report.verdict()
+
+
+def test_data_digits_never_silently_means_a_folder_named_digits(tmp_path, monkeypatch):
+    """`--data digits` is the embedded set; where ./digits exists too it names both and is
+    refused (exit 2, saying how to name either), `builtin:digits` is the set whatever ./digits is,
+    and the run's first line says which data it read. Control: without ./digits, `digits` is
+    the embedded set as always."""
+    from twinstep.data import sources
+
+    monkeypatch.chdir(tmp_path)
+    assert TrainConfig(RECIPE, str(tmp_path / "a")).data == sources.DIGITS
+    (tmp_path / "digits").mkdir()
+    with pytest.raises(UsageError, match=r"names both .* --data ./digits .* builtin:digits"):
+        TrainConfig(RECIPE, str(tmp_path / "b"), data="digits")
+    cfg = TrainConfig(RECIPE, str(tmp_path / "c"), data="builtin:digits")
+    assert cfg.data == sources.DIGITS and " on the embedded digits:" in cfg.summary()
+

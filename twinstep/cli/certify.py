@@ -11,7 +11,7 @@ from rich.table import Table
 
 from twinstep.checking import picture
 from twinstep.cli import options
-from twinstep.cli.console import mark, status
+from twinstep.cli.console import mark, report_console, status
 from twinstep.errors import ExitStatus, UsageError
 from twinstep.processes import disk
 
@@ -54,7 +54,7 @@ def run(args, parser) -> int:
 
 def show(report, seconds: float, console: Console | None = None) -> None:
     """The checks grouped by op, the controls, and the verdict last."""
-    console = console or Console()
+    console = console or report_console()
     table = Table(title="op library certification (float64)")
     for col in ("op", "check", "R", "worst err", "bound", ""):
         table.add_column(col, justify="right" if col in ("R", "worst err", "bound") else "left")

@@ -5,11 +5,24 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import os
 import sys
 
 from rich.console import Console
 
 COLOURS = {"tied": "green", "NOT tied": "red", "inconclusive": "yellow"}  # a tie's status
+# a report's width where stdout is not a terminal (a log, a pipe), unless COLUMNS says: rich's
+# default there, 80 columns, cut a tie's numbers and names to "5.3e…"
+REPORT_WIDTH = 200
+
+
+def report_console() -> Console:
+    """The console a command's report prints on: stdout, as wide as the terminal; where stdout
+    is not one, `REPORT_WIDTH` columns (or COLUMNS), so piped tables keep every digit."""
+    console = Console()
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        return console
+    return Console(width=REPORT_WIDTH)
 
 
 # what a report's non-ASCII characters become on a console that cannot show them (any other: ?)

@@ -14,10 +14,10 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
 from twinstep.cli import options
+from twinstep.cli.console import report_console
 from twinstep.errors import ExitStatus
 from twinstep.nets import NETS, layers
 from twinstep.ops.levers import Levers
@@ -50,7 +50,7 @@ def run(args, parser) -> int:
                        ("running-stat buffers", "buffers")):
         table.add_row(label, f"{d[key]:,}")
     table.add_row("forward GMACs (convs + classifier)", f"{d['gmacs']:.2f}")
-    Console().print(table)
+    report_console().print(table)
     return ExitStatus.SUCCESS
 
 

@@ -23,10 +23,7 @@ def add(p) -> None:
         + options.exits({ExitStatus.SUCCESS: f"when every process ends with "
                                              f"{ExitStatus.SUCCESS:d}, else the last failed "
                                              f"process's status ({ExitStatus.INTERNAL:d} for a "
-                                             f"signal or a status outside the contract)"})
-        + "\n\n"
-        "example: twinstep launch --local 2 -- train mnv4in_adamdp --data digits --replicas 4 "
-        "--out run")
+                                             f"signal or a status outside the contract)"}))
     options.count(p, "--local", None, "processes to start on this host", metavar="P", required=True)
     p.add_argument("--port", type=options.int_in(1, 65536), metavar="PORT",
                    help="the coordinator's port (default: a free one)")

@@ -38,6 +38,29 @@ COMMANDS = {  # each command's line in 'twinstep --help'; its module is twinstep
     "compare": "training runs paired image by image: top-1 intervals, McNemar's test",
     "launch": "run train or tie as P processes on this host, joined into one runtime",
 }
+EXAMPLES = {  # each command's example, the last line of its --help
+    "certify": "twinstep certify --replicas 2",
+    "info": "twinstep info efficientnet --res 224",
+    "recipe": "twinstep recipe efficientnetin_emarmsdp64dropdo",
+    "parity": "twinstep parity mobilenetv2 --res 32 --batch 4",
+    "tie": "twinstep tie resnet18 --replicas 2 --control unsynced   # must say NOT tied, exit 1",
+    "render": "twinstep render resnet18in_momdp8 --replicas 2 --out renders",
+    "train": "twinstep train mnv4_adamdp16 --data ./images --replicas 2 --res 64 --steps 300 "
+             "--out run",
+    "pack": "twinstep pack ./images --out ./images-packed",
+    "weights": "twinstep weights run --out model.safetensors",
+    "plot": "twinstep plot run --out curves.png",
+    "compare": "twinstep compare run-a run-b",
+    "launch": "twinstep launch --local 2 -- train mnv4in_adamdp --data digits --replicas 4 "
+              "--out run",
+}
+FIRST = (  # what to run first: `twinstep --help`'s last lines (README: "Train on your own images")
+    ("twinstep tie resnet18 --replicas 2", "the tie, in a minute on a CPU"),
+    ("twinstep train mnv4_adamdp16 --data digits --replicas 2 --steps 100 --out run",
+     "a run on the embedded digits"),
+    ("twinstep train mnv4_adamdp16 --data DIR --replicas 2 --res 64 --out run",
+     "your own images: DIR/train/<class>/*, DIR/val/<class>/*"),
+)
 # the commands that never start JAX: no XLA_FLAGS check, no compilation cache
 NO_JAX = ("recipe", "plot", "compare", "pack", "launch")
 NO_CACHE_HELP = ("compile every program afresh: neither load nor keep compiled programs (also "
@@ -56,13 +79,15 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     chosen = command_of(sys.argv[1:] if argv is None else argv)
     p = Parser(
         prog="twinstep",
-        description="Data-parallel ResNets and MobileNetV4-Conv-M with synchronised BatchNorm, "
-                    "checked parameter by parameter against the single-device step at R*N.",
+        description="Data-parallel BatchNorm nets (ResNets, MobileNetV2, EfficientNet-B0, "
+                    "MobileNetV4) with synchronised BatchNorm, checked parameter by parameter "
+                    "against the single-device step at R*N.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Run 'twinstep COMMAND --help' for a command's options.\n\n"
+        epilog="Run 'twinstep COMMAND --help' for a command's options and an example.\n\n"
                + textwrap.fill("Exit status: " + "; ".join(
                    f"{s} {meaning}" for s, meaning in EXIT_STATUSES.items()) + ".", 99)
-               + "\nErrors are one line on stderr; --debug shows the traceback.")
+               + "\nErrors are one line on stderr; --debug shows the traceback.\n\n"
+               + "First:\n" + "\n".join(f"  {cmd}\n      {what}" for cmd, what in FIRST))
     p.add_argument("--version", action="version", version=f"twinstep {__version__}")
     p.add_argument("--debug", action="store_true",
                    help="show the traceback of an internal error (also TWINSTEP_DEBUG=1)")
@@ -73,6 +98,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
         p.commands[name] = sub.add_parser(name, help=line)
         if name == chosen:
             _module(name).add(p.commands[name])
+            example = f"example: {EXAMPLES[name]}"
+            own = p.commands[name].epilog
+            p.commands[name].epilog = example if not own else f"{own}\n\n{example}"
             if name not in NO_JAX:  # after the command too; SUPPRESS keeps the one before it
                 p.commands[name].add_argument("--no-compile-cache", action="store_true",
                                               default=argparse.SUPPRESS, help=NO_CACHE_HELP)

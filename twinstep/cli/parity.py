@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-from rich.console import Console
-
 from twinstep.cli import options
-from twinstep.cli.console import mark, status
+from twinstep.cli.console import mark, report_console, status
 from twinstep.errors import ExitStatus, UsageError
 from twinstep.nets import NETS, get_net
 from twinstep.processes import settings
@@ -54,7 +52,7 @@ def show(r, res: int, batch: int, classes: int, console=None) -> None:
     """`twinstep.checking.parity.ParityReport`: each error against its bound, the verdict last."""
     from twinstep.checking import parity  # lazy, the CLI's reason, as in run
 
-    console = console or Console()
+    console = console or report_console()
     p = r.precision
     console.print(f"{r.net} vs timm {get_net(r.net).TIMM_NAME}: {res}², batch {batch}, "
                   f"K = {classes}, {p}, loss {r.loss}")

@@ -7,11 +7,10 @@ import argparse
 import os
 import time
 
-from rich.console import Console
 from rich.table import Table
 
 from twinstep.cli import options
-from twinstep.cli.console import status
+from twinstep.cli.console import report_console, status
 from twinstep.collectives import CONTROLS
 from twinstep.errors import ExitStatus
 from twinstep.ops.precision import NAMES as PRECISIONS
@@ -78,7 +77,7 @@ def run(args, parser) -> int:
 
 def show(rows: list, replicas: int, out: str, console=None) -> None:
     """One row per render written: rows of (manifest, seconds)."""
-    console = console or Console()
+    console = console or report_console()
     table = Table(title=f"renders for R = {replicas} in {out}",
                   caption="collectives in the program (docs/sync-sites.md's reference: 2 per "
                           "BN + 1 per gradient bucket; +1 for the loss), and per optimizer step")

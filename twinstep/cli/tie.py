@@ -12,14 +12,13 @@ import argparse
 import os
 import time
 
-from rich.console import Console
 from rich.table import Table
 
 from twinstep.checking import picture
 from twinstep.checking.bounds import EXIT_CODES
 from twinstep.checking.tie import PRECISION_DEFAULTS, STATES, TieConfig
 from twinstep.cli import options
-from twinstep.cli.console import mark, status, verdict_line
+from twinstep.cli.console import mark, report_console, status, verdict_line
 from twinstep.collectives import CONTROLS
 from twinstep.errors import UsageError
 from twinstep.nets import NETS
@@ -153,7 +152,7 @@ def run(args, parser) -> int:
 def show_step(report, show_all: bool = False, seconds: float | None = None,
               console=None) -> None:
     """A one-step tie: the worst parameter gradients and BN sites, the loss, the verdict."""
-    console = console or Console()
+    console = console or report_console()
     c = report.config
     console.print(f"[bold]{c.net}[/]: R = {c.replicas} replicas x N = {c.batch} vs one device at "
                   f"{c.replicas * c.batch}; {c.res}², K = {c.classes}, loss {c.loss}, "
@@ -194,7 +193,7 @@ def show_step(report, show_all: bool = False, seconds: float | None = None,
 
 def show_steps(report, show_all: bool = False, seconds=None, console=None) -> None:
     """A tie over whole steps: each step's worst state tensors and loss, the verdict."""
-    console = console or Console()
+    console = console or report_console()
     c = report.config
     console.print(f"[bold]{c.net}[/] recipe {c.recipe}: R = {c.replicas} x N = {c.batch} vs one "
                   f"device at {c.replicas * c.batch}; {c.res}², K = {c.classes}, {c.precision}, "

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import sys
+import time
 
 from rich.console import Console
 from rich.progress import (
@@ -25,6 +27,8 @@ from twinstep.ops.precision import NAMES as PRECISIONS
 from twinstep.processes import cluster
 from twinstep.training.config import DIGITS_RES, MAX_WORKERS, SMOKE_STEPS, TrainConfig
 
+PROGRESS_EVERY_S = 30.0  # a plain progress line this often when stderr is not a terminal
+
 
 def add(p) -> None:
     default = options.defaults(TrainConfig)
@@ -42,7 +46,8 @@ def add(p) -> None:
     p.add_argument("recipe", help="a recipe name or preset ('twinstep recipe'); a dp recipe for "
                                   "--replicas > 1")
     p.add_argument("--data", default=default["data"], metavar="DIR|digits",
-                   help=f"an image folder, or the embedded digits (default {default['data']})")
+                   help=f"an image folder, or the embedded digits: 'digits', or 'builtin:digits' "
+                        f"where a ./digits exists too (default {default['data']})")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="the run's folder (created)")
     options.replicas(p, default["replicas"],
                   f"replicas R (default {default['replicas']})", "R")
@@ -94,6 +99,10 @@ def add(p) -> None:
     p.add_argument("--fast-compile", action="store_true",
                    help="compile at XLA -O0: the same numerics, half the compile, a slower "
                         "step (for short runs)")
+    p.add_argument("--progress-every", type=float, default=PROGRESS_EVERY_S, metavar="S",
+                   help="where stderr is not a terminal (a log, nohup, SLURM), print a plain "
+                        "progress line — step, loss, lr, img/s, ETA — on stdout every S "
+                        f"seconds instead of the bar (default {PROGRESS_EVERY_S:g}; 0: none)")
     options.cluster(p)
 
 
@@ -134,7 +143,7 @@ def run(args, parser) -> int:
     primary = cluster.is_primary()  # process 0 shows the progress and the result
     if primary:
         print(cfg.summary(), flush=True)
-    with progress(cfg.steps, quiet=not primary) as update:
+    with progress(cfg.steps, quiet=not primary, every_s=args.progress_every) as update:
         try:
             result = api.train(cfg, progress=update,
                                warn=lambda text: print(f"warning: {text}", file=sys.stderr))
@@ -150,14 +159,49 @@ def run(args, parser) -> int:
     return ExitStatus.SUCCESS
 
 
+def _eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "-"
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}"
+
+
+def plain_progress(total: int, every_s: float, out=None, clock=time.monotonic):
+    """``update(step, metrics)`` that prints a plain line — step, epoch, loss, lr, img/s, ETA
+    — to ``out`` (stdout) at the first step, then at most every ``every_s`` seconds, and at the
+    last step: progress in a log, where no bar can draw. ``every_s`` 0: never."""
+    seen = {"t0": None, "step0": None, "last": -math.inf}
+
+    def update(step: int, m: dict) -> None:
+        now = clock()
+        if every_s <= 0 or "phase" in m:
+            return
+        if seen["t0"] is None:
+            seen.update(t0=now, step0=step)
+        if now - seen["last"] < every_s and step != total:
+            return
+        seen["last"] = now
+        rate = (step - seen["step0"]) / max(now - seen["t0"], 1e-9)
+        eta = (total - step) / rate if rate > 0 else math.inf
+        print(f"step {step}/{total}  epoch {m['epoch']:.2f}  loss {m['loss']:.4g}  "
+              f"lr {m['lr']:.3g}  {m['img_per_s']:.0f} img/s  ETA {_eta(eta)}",
+              file=out or sys.stdout, flush=True)
+
+    return update
+
+
 @contextlib.contextmanager
-def progress(total: int, quiet: bool = False):
+def progress(total: int, quiet: bool = False, every_s: float = PROGRESS_EVERY_S):
     """A progress bar on stderr — step, epoch, loss, lr, img/s, ETA, the last top-1 and what
-    runs between steps (an evaluation) — yielding ``update(step, metrics)`` (a no-op when
-    ``quiet`` or stderr is not a terminal)."""
+    runs between steps (an evaluation) — yielding ``update(step, metrics)``; where stderr is not
+    a terminal, a plain line on stdout every ``every_s`` seconds instead (`plain_progress`);
+    nothing when ``quiet``."""
     console = Console(stderr=True)
-    if quiet or not console.is_terminal:
+    if quiet:
         yield lambda step, metrics: None
+        return
+    if not console.is_terminal:
+        yield plain_progress(total, every_s)
         return
     columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[text]}"), TimeRemainingColumn())

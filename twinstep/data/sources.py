@@ -22,6 +22,7 @@ from twinstep.data import digits, folder, mix, packed
 from twinstep.errors import UsageError
 
 DIGITS = "digits"  # --data digits: the embedded set (`twinstep.data.digits`)
+BUILTIN_DIGITS = "builtin:digits"  # the embedded set, whatever ./digits is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +119,19 @@ FORMATS = {"packed": Format(packed.is_packed, packed.open_splits),
 # --workers are the loader's processes (`twinstep.data.loader.stream`), never its own
 LOADERS = {"pillow": "twinstep.data.pillow", "device": "twinstep.data.device"}
 DEFAULT_LOADER = "pillow"  # the digits are arrays: only the default reads them
+
+
+def resolve(data: str) -> str:
+    """--data as the trainer reads it: `DIGITS` for the embedded set, else a path. ``digits``
+    names the embedded set unless a file or folder ./digits exists: then it is refused
+    (UsageError) as naming both, and ``./digits`` or ``builtin:digits`` says which."""
+    if data == BUILTIN_DIGITS:
+        return DIGITS
+    if data == DIGITS and os.path.exists(DIGITS):
+        raise UsageError(f"--data {DIGITS} names both the embedded digits and ./{DIGITS} here: "
+                         f"write --data ./{DIGITS} for the folder or --data {BUILTIN_DIGITS} "
+                         f"for the embedded set")
+    return data
 
 
 def check(data: str, loader: str) -> None:

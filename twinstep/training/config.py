@@ -71,6 +71,7 @@ class TrainConfig:
     control: str = "none"  # a negative control (twinstep.collectives.CONTROLS): a broken step
 
     def __post_init__(self):
+        object.__setattr__(self, "data", sources.resolve(self.data))
         sources.check(self.data, self.loader)
         base = recipes.parse(self.recipe)
         if not 0 <= self.workers <= MAX_WORKERS:
@@ -169,7 +170,9 @@ class TrainConfig:
 
         length = (f"{self.epochs} epochs = {self.steps:,} steps" if self.epochs is not None
                   else f"{self.steps:,} steps")
-        return (f"{self.recipe} on {self.data}: train {self.res}²{src('res')}, eval "
+        data = ("the embedded digits" if self.data == sources.DIGITS
+                else os.path.abspath(self.data))
+        return (f"{self.recipe} on {data}: train {self.res}²{src('res')}, eval "
                 f"{self.eval_res}²{src('eval_res')}, {length}{src('epochs', 'steps')}, "
                 f"N = {self.batch} x R = {self.replicas}, {self.precision}{src('precision')}")
 
