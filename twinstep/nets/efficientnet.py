@@ -29,7 +29,6 @@ from typing import NamedTuple
 
 from twinstep.nets import layers
 from twinstep.nets.layers import ConvBN, Ctx, conv_bn_forward, conv_bn_vjp
-from twinstep.ops import dense, elementwise
 
 STEM_WIDTH = 32
 HEAD_WIDTH = 320  # the last row's width
@@ -99,7 +98,6 @@ class Tape(NamedTuple):
     blocks: list
     head: object
     gap: tuple
-    dropout: object
     classifier: tuple
 
 
@@ -198,33 +196,23 @@ class EfficientNet:
         stats = {}
         y, stem = self._layer(params, buffers, self.stem, x.astype(ctx.precision.dtype),
                               ctx=ctx, stats=stats)
-        tapes, site = [], 0
-        for b in self._blocks:
-            mask = None
-            if b.skip:
-                mask = None if drop_path is None else drop_path[site]
-                site += 1
+        tapes = []
+        for b, mask in zip(self._blocks, layers.block_masks([b.skip for b in self._blocks],
+                                                            drop_path), strict=True):
             y, t = self._block_forward(params, buffers, b, y, ctx=ctx, stats=stats, mask=mask)
             tapes.append(t)
         y, head = self._layer(params, buffers, self.head, y, ctx=ctx, stats=stats)
         y, gap = layers.gap_forward(y, ctx=ctx)
-        m = None
-        if dropout is not None:
-            y, m = elementwise.mask_forward(y, dropout)
-        logits, fc = dense.dense_forward(y, params["classifier.weight"],
-                                         params["classifier.bias"])
-        return logits, Tape(tuple(params), stem, tapes, head, gap, m, fc), stats
+        logits, classifier = layers.classifier_forward(params, "classifier", y, dropout)
+        return logits, Tape(tuple(params), stem, tapes, head, gap, classifier), stats
 
     def backward(self, tape: Tape, dlogits) -> dict:
         """The explicit chain from d logits [N, K] to every parameter gradient (timm order)."""
         grads = {}
-        dy, grads["classifier.weight"], grads["classifier.bias"] = dense.dense_vjp(
-            tape.classifier, dlogits)
-        if tape.dropout is not None:
-            dy = elementwise.mask_vjp(tape.dropout, dy)
+        dy = layers.classifier_vjp(tape.classifier, dlogits, grads)
         dy = conv_bn_vjp(tape.head, layers.gap_vjp(tape.gap, dy), grads)
         for t in reversed(tape.blocks):
-            dy = _block_vjp(t, dy, grads)
+            dy = layers.skip_block_vjp(t, dy, grads)
         conv_bn_vjp(tape.stem, dy, grads)  # the image's cotangent is not needed (XLA drops it)
         return {k: grads[k] for k in tape.names}
 
@@ -246,17 +234,6 @@ class EfficientNet:
         if b.skip:
             y, skip = layers.residual_forward(y, x, ctx=ctx, mask=mask)
         return y, (tapes, skip)
-
-
-def _block_vjp(tape, dy, grads):
-    tapes, skip = tape
-    d_shortcut = None
-    if skip is not None:
-        dy, d_shortcut = layers.residual_vjp(skip, dy)
-    for t in reversed(tapes):
-        vjp = layers.squeeze_excite_vjp if isinstance(t, layers.SETape) else conv_bn_vjp
-        dy = vjp(t, dy, grads)
-    return dy if skip is None else layers.fork_vjp(skip, dy, d_shortcut)
 
 
 NETS = tuple(EfficientNet(name) for name in VARIANTS)

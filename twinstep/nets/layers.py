@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from twinstep.collectives import SINGLE, Replicas
-from twinstep.ops import activation, batchnorm, conv, elementwise, pool
+from twinstep.ops import activation, batchnorm, conv, dense, elementwise, pool
 from twinstep.ops.levers import Levers
 from twinstep.ops.precision import F32, Precision, stored
 
@@ -225,6 +225,51 @@ def squeeze_excite_vjp(tape: SETape, dy, grads: dict):
     dh, grads[f"{p}.conv_reduce.bias"] = elementwise.bias_vjp(act_vjp(tape.act, dh))
     dp, grads[f"{p}.conv_reduce.weight"] = conv.conv2d_vjp(tape.reduce, dh)
     return stored(dx + pool.gap_vjp(tape.gap.res, dp[:, 0, 0, :]), tape.levers.store)
+
+
+def layer_vjp(tape, dy, grads: dict):
+    """dx of one layer of a chain from its tape: conv -> BN [-> act], or squeeze-excite."""
+    vjp = squeeze_excite_vjp if isinstance(tape, SETape) else conv_bn_vjp
+    return vjp(tape, dy, grads)
+
+
+def skip_block_vjp(tape, dy, grads: dict):
+    """dx of a block that is a chain of layers [plus an identity skip, its end joined by
+    `residual_forward`]: ``tape`` = (the layers' tapes in order, the join's tape or None)."""
+    tapes, skip = tape
+    d_shortcut = None
+    if skip is not None:
+        dy, d_shortcut = residual_vjp(skip, dy)
+    for t in reversed(tapes):
+        dy = layer_vjp(t, dy, grads)
+    return dy if skip is None else fork_vjp(skip, dy, d_shortcut)
+
+
+def block_masks(skips, drop_path) -> list:
+    """Each block's drop-path mask [N], or None: the rows of ``drop_path`` [sites, N] (or None)
+    dealt in order to the blocks whose ``skips`` entry is true, the drop-path sites."""
+    out, site = [], 0
+    for skip in skips:
+        out.append(drop_path[site] if skip and drop_path is not None else None)
+        site += bool(skip)
+    return out
+
+
+def classifier_forward(params, prefix: str, y, dropout=None):
+    """The head's end: y [N, D] [times its dropout mask [N, D]] -> logits [N, K] through the
+    linear layer ``prefix`` (``.weight`` [K, D], ``.bias`` [K]); returns (logits, tape)."""
+    m = None
+    if dropout is not None:
+        y, m = elementwise.mask_forward(y, dropout)
+    logits, fc = dense.dense_forward(y, params[prefix + ".weight"], params[prefix + ".bias"])
+    return logits, (prefix, m, fc)
+
+
+def classifier_vjp(tape, dlogits, grads: dict):
+    """dy [N, D] of `classifier_forward`; the weight and bias gradients go into ``grads``."""
+    prefix, m, fc = tape
+    dy, grads[prefix + ".weight"], grads[prefix + ".bias"] = dense.dense_vjp(fc, dlogits)
+    return dy if m is None else elementwise.mask_vjp(m, dy)
 
 
 def bn_names(param_shapes: dict) -> list[str]:

@@ -36,7 +36,6 @@ from typing import NamedTuple
 
 from twinstep.nets import layers
 from twinstep.nets.layers import ConvBN, Ctx, conv_bn_forward, conv_bn_vjp
-from twinstep.ops import dense, elementwise
 
 HEAD_WIDTH = 960  # every table's last row: cn_r1_k1_s1_c960
 FEATURES = 1280  # conv_head's width, the classifier's input
@@ -171,7 +170,6 @@ class Tape(NamedTuple):
     blocks: list
     gap: tuple
     head: object
-    dropout: object
     classifier: tuple
 
 
@@ -250,36 +248,27 @@ class MobileNetV4:
         stats = {}
         y, stem = _layer_forward(params, buffers, self.stem, x.astype(ctx.precision.dtype),
                                  ctx=ctx, stats=stats)
-        tapes, site = [], 0
-        for b in self._blocks:
-            mask = None
-            if b.skip:
-                mask = None if drop_path is None else drop_path[site]
-                site += 1
+        tapes = []
+        for b, mask in zip(self._blocks, layers.block_masks([b.skip for b in self._blocks],
+                                                            drop_path), strict=True):
             y, t = _block_forward(params, buffers, b, y, ctx=ctx, stats=stats, mask=mask)
             tapes.append(t)
         y, gap = layers.gap_forward(y, ctx=ctx)
         # conv_head acts on the pooled [N, 1, 1, 960]: its BN sees one row per example.
         y, head = _layer_forward(params, buffers, self.head, y[:, None, None, :], ctx=ctx,
                                  stats=stats)
-        y, m = y[:, 0, 0, :], None
-        if dropout is not None:
-            y, m = elementwise.mask_forward(y, dropout)
-        logits, fc = dense.dense_forward(y, params["classifier.weight"],
-                                         params["classifier.bias"])
-        return logits, Tape(tuple(params), stem, tapes, gap, head, m, fc), stats
+        logits, classifier = layers.classifier_forward(params, "classifier", y[:, 0, 0, :],
+                                                       dropout)
+        return logits, Tape(tuple(params), stem, tapes, gap, head, classifier), stats
 
     def backward(self, tape: Tape, dlogits) -> dict:
         """The explicit chain from d logits [N, K] to every parameter gradient (timm order)."""
         grads = {}
-        dy, grads["classifier.weight"], grads["classifier.bias"] = dense.dense_vjp(
-            tape.classifier, dlogits)
-        if tape.dropout is not None:
-            dy = elementwise.mask_vjp(tape.dropout, dy)
+        dy = layers.classifier_vjp(tape.classifier, dlogits, grads)
         dy = conv_bn_vjp(tape.head, dy[:, None, None, :], grads)[:, 0, 0, :]
         dy = layers.gap_vjp(tape.gap, dy)
         for t in reversed(tape.blocks):
-            dy = _block_vjp(t, dy, grads)
+            dy = layers.skip_block_vjp(t, dy, grads)
         conv_bn_vjp(tape.stem, dy, grads)  # the image's cotangent is not needed (XLA drops it)
         return {k: grads[k] for k in tape.names}
 
@@ -298,16 +287,6 @@ def _block_forward(params, buffers, b: Block, x, *, ctx, stats, mask):
     if b.skip:
         y, skip = layers.residual_forward(y, x, ctx=ctx, mask=mask)
     return y, (tapes, skip)
-
-
-def _block_vjp(tape, dy, grads):
-    tapes, skip = tape
-    d_shortcut = None
-    if skip is not None:
-        dy, d_shortcut = layers.residual_vjp(skip, dy)
-    for t in reversed(tapes):
-        dy = conv_bn_vjp(t, dy, grads)
-    return dy if skip is None else layers.fork_vjp(skip, dy, d_shortcut)
 
 
 NETS = tuple(MobileNetV4(name) for name in VARIANTS)

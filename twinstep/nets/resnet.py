@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 from twinstep.nets import layers
 from twinstep.nets.layers import ConvBN, Ctx, conv_bn_forward, conv_bn_vjp
-from twinstep.ops import dense, elementwise
 
 STEM_WIDTH = 64
 STAGE_WIDTHS = (64, 128, 256, 512)  # a basic block's output; a bottleneck's middle width
@@ -56,7 +55,6 @@ class Tape(NamedTuple):
     pool: object
     blocks: list
     gap: tuple
-    dropout: object
     fc: tuple
 
 
@@ -154,18 +152,13 @@ class ResNet:
             y, t = self._block_forward(params, buffers, b, y, ctx=ctx, stats=stats, mask=mask)
             tapes.append(t)
         y, gap = layers.gap_forward(y, ctx=ctx)
-        m = None
-        if dropout is not None:
-            y, m = elementwise.mask_forward(y, dropout)
-        logits, fc = dense.dense_forward(y, params["fc.weight"], params["fc.bias"])
-        return logits, Tape(tuple(params), stem, pool_tape, tapes, gap, m, fc), stats
+        logits, fc = layers.classifier_forward(params, "fc", y, dropout)
+        return logits, Tape(tuple(params), stem, pool_tape, tapes, gap, fc), stats
 
     def backward(self, tape: Tape, dlogits) -> dict:
         """The explicit chain from d logits [N, K] to every parameter gradient (timm order)."""
         grads = {}
-        dy, grads["fc.weight"], grads["fc.bias"] = dense.dense_vjp(tape.fc, dlogits)
-        if tape.dropout is not None:
-            dy = elementwise.mask_vjp(tape.dropout, dy)
+        dy = layers.classifier_vjp(tape.fc, dlogits, grads)
         dy = layers.gap_vjp(tape.gap, dy)
         for t in reversed(tape.blocks):
             dy = _block_vjp(t, dy, grads)
