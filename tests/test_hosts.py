@@ -348,13 +348,14 @@ def test_a_render_ties_across_processes_and_a_broken_one_fails_there(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.all
-@pytest.mark.parametrize("recipe,tensors", [("mnv4in_emaadamdp2wxdropdo", 1243),
+@pytest.mark.parametrize("recipe,tensors", [("resnet18in_emaadamdp2wxdropdo", 331),
+                                            ("mnv4in_emaadamdp2wxdropdo", 1243),
                                             ("efficientnetin_emarmsdp2wxdropdo", 1050)])
 def test_a_recipe_ties_across_processes_and_its_control_fails_there(recipe, tensors):
     """`tie --recipe` under the launcher (R = 4 over 2 processes, f64, two steps with EMA,
-    drop-path and dropout: AdamW on MobileNetV4, RMSProp on EfficientNet-B0): every state tensor
-    within its bound; with the masks replicated — each replica drawing the whole batch's
-    masks — NOT tied."""
+    drop-path and dropout: one recipe per family, AdamW on ResNet-18 and MobileNetV4, RMSProp on
+    EfficientNet-B0): every state tensor within its bound; with the masks replicated — each
+    replica drawing the whole batch's masks — NOT tied."""
     net = recipes.parse(recipe).net
     tie = ["tie", "--recipe", recipe, "--replicas", "4", "--batch", "1",
            "--steps", "2", *(["--fast-compile"] if net in FAST_COMPILE_NETS else [])]
