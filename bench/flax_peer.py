@@ -410,14 +410,14 @@ ZERO_FLOOR = 1e-12
 def _twinstep_case(net_name: str, classes: int, rows: int, res: int):
     """twinstep's near-init f64 (params, buffers, x [rows, res, res, 3], t [rows, K], grads)."""
     from twinstep import program
-    from twinstep.nets import get_net, layers
+    from twinstep.nets import get_net, init
 
     net = get_net(net_name)
     shapes = net.param_shapes(classes)
-    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(), jnp.float64,
+    params = init.init_params(jax.random.key(0), shapes, net.zero_init_bns(), jnp.float64,
                                 linear=net.LINEAR_INIT)
-    params = layers.near_init_bn(jax.random.key(1), params, net.branch_end_bns())
-    buffers = layers.init_buffers(shapes, jnp.float64)
+    params = init.near_init_bn(jax.random.key(1), params, net.branch_end_bns())
+    buffers = init.init_buffers(shapes, jnp.float64)
     kx, ky = jax.random.split(jax.random.key(2))
     x = jax.random.normal(kx, (rows, res, res, 3), jnp.float64)
     t = jax.nn.one_hot(jax.random.randint(ky, (rows,), 0, classes), classes, dtype=jnp.float64)

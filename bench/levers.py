@@ -30,7 +30,7 @@ import numpy as np
 
 from bench.common import RESULTS, block, interleaved_times, paired_ratio, write_results
 from twinstep import dp, program, recipes
-from twinstep.nets import get_net, layers
+from twinstep.nets import get_net, init
 from twinstep.ops.levers import Levers
 
 VARIANTS = {  # name: (XLA compiler options, donate the state, dense conv path, shard optimizer)
@@ -59,7 +59,7 @@ def variants(name: str, res: int, replicas: int, global_batch: int, classes: int
     net = get_net(name)
     recipe = dataclasses.replace(recipes.parse(f"{name}in_adamdp"), batch=global_batch // replicas)
     shapes = net.param_shapes(classes)
-    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
+    params = init.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
                                 linear=net.LINEAR_INIT)
     rng = np.random.default_rng(0)
     xs = jnp.asarray(rng.standard_normal((1, global_batch, res, res, 3)), jnp.float32)
@@ -74,7 +74,7 @@ def variants(name: str, res: int, replicas: int, global_batch: int, classes: int
                                      shard_optimizer=shard_optimizer)
         # a copy for each variant: a donated state frees its arrays, the originals included
         state = made.place(made.init(*jax.tree.map(jnp.copy, (
-            params, layers.init_buffers(shapes)))))
+            params, init.init_buffers(shapes)))))
         try:
             compiled = made.step.lower(state, xs, ts, key).compile(compiler_options=options)
         except Exception as e:  # an option this jaxlib does not take: reported, not timed
@@ -88,7 +88,7 @@ def variants(name: str, res: int, replicas: int, global_batch: int, classes: int
 
         fns[label] = run
     # sync-BN's cost: the gradient step with BN synchronised vs per-replica (`unsynced`)
-    p, b = dp.replicate((params, layers.init_buffers(shapes)), replicas)
+    p, b = dp.replicate((params, init.init_buffers(shapes)), replicas)
     for control in ("none", "unsynced"):
         setup = program.Setup(replicas=replicas, precision="f32", control=control)
         grad = program.grad_program(net, setup, loss="ce", per_replica=True)

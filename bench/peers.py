@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from twinstep.nets import NETS  # starts no JAX backend: XLA_FLAGS below still apply
+from twinstep.nets import NETS, init  # starts no JAX backend: XLA_FLAGS below still apply
 
 
 def _args():
@@ -79,7 +79,7 @@ from bench.common import (  # noqa: E402
 )
 from twinstep import dp, optim, program, recipes  # noqa: E402
 from twinstep.checking import parity  # noqa: E402
-from twinstep.nets import get_net, layers  # noqa: E402
+from twinstep.nets import get_net  # noqa: E402
 
 PEERS = ("twinstep", "flax", "torch")
 
@@ -143,9 +143,9 @@ def peers(name: str, res: int, replicas: int, global_batch: int, classes: int) -
     n = global_batch // replicas
     recipe = dataclasses.replace(recipes.parse(f"{name}in_adamdp"), batch=n)
     shapes = net.param_shapes(classes)
-    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
+    params = init.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
                                 linear=net.LINEAR_INIT)
-    buffers = layers.init_buffers(shapes)
+    buffers = init.init_buffers(shapes)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((global_batch, res, res, 3)).astype(np.float32)
     labels = rng.integers(0, classes, global_batch)

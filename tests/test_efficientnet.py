@@ -13,7 +13,7 @@ from oracle_libs import timm, torch
 
 from twinstep import dp
 from twinstep.checking import bounds, cases, oracle, parity
-from twinstep.nets import NETS, efficientnet, layers
+from twinstep.nets import NETS, efficientnet, init, layers
 from twinstep.ops import loss
 from twinstep.ops.precision import F64
 
@@ -84,9 +84,9 @@ def test_names_shapes_blocks_and_sites_match_timm(net):
 def model_state(net, seed: int):
     key = jax.random.key(seed)
     shapes = net.param_shapes(K)
-    params = layers.init_params(key, shapes, dtype=jnp.float64, linear=net.LINEAR_INIT)
-    params, buffers = layers.randomize_bn(jax.random.fold_in(key, 1), params,
-                                          layers.init_buffers(shapes, jnp.float64))
+    params = init.init_params(key, shapes, dtype=jnp.float64, linear=net.LINEAR_INIT)
+    params, buffers = init.randomize_bn(jax.random.fold_in(key, 1), params,
+                                          init.init_buffers(shapes, jnp.float64))
     # squeeze-excite's biases start at 0: draw them, so that a misplaced bias cannot hide
     rng = np.random.default_rng(seed)
     params.update({k: jnp.asarray(0.2 * rng.standard_normal(s)) for k, s in shapes.items()

@@ -8,7 +8,7 @@ import types
 import pytest
 
 from twinstep import nets
-from twinstep.nets import NETS, Net, get_net, layers, mobilenetv4, resnet
+from twinstep.nets import NETS, Net, get_net, init, layers, mobilenetv4, resnet
 from twinstep.ops import loss
 
 NET_MODULES = list(NETS.values())  # the registry is the list of nets
@@ -23,8 +23,8 @@ MEMBERS = (*Net.__annotations__, *(name for name, member in vars(Net).items()
 def test_every_net_file_is_registered():
     """A net file in twinstep/nets/ that NETS does not list would be a net nothing can use."""
     files = {p.stem for p in pathlib.Path(nets.__file__).parent.glob("*.py")}
-    assert files - {"__init__", "layers"} == {inspect.getmodule(m).__name__.rsplit(".", 1)[1]
-                                              for m in NET_MODULES}
+    families = {inspect.getmodule(m).__name__.rsplit(".", 1)[1] for m in NET_MODULES}
+    assert files - {"__init__", "layers", "init"} == families
     assert {"TRAIN_RES", "DROP_PATH_RATE", "forward", "backward"} <= set(MEMBERS)
 
 
@@ -112,10 +112,9 @@ def test_near_init_is_timms_start_nudged():
     import jax
     import numpy as np
 
-    from twinstep.nets import layers
 
     shapes = resnet50.param_shapes(10)
-    params = layers.near_init_bn(jax.random.key(0), layers.init_params(jax.random.key(1), shapes,
+    params = init.near_init_bn(jax.random.key(0), init.init_params(jax.random.key(1), shapes,
                                                                     linear="fan_in"),
                                  resnet50.branch_end_bns())
     gammas = np.concatenate([np.asarray(params[f"{b}.weight"]) for b in layers.bn_names(shapes)
@@ -125,7 +124,7 @@ def test_near_init_is_timms_start_nudged():
     assert abs(gammas.mean() - 1) < 1e-3 and 0.008 < gammas.std() < 0.012
     assert abs(ends).max() < 0.01 and 0.0008 < ends.std() < 0.0012
     assert abs(betas.mean()) < 1e-3 and 0.008 < betas.std() < 0.012
-    assert np.array_equal(params["conv1.weight"], layers.init_params(
+    assert np.array_equal(params["conv1.weight"], init.init_params(
         jax.random.key(1), shapes, linear="fan_in")["conv1.weight"])
 
 
@@ -147,9 +146,9 @@ def _init_mismatches(net, linear: str, zero_init: tuple, classes: int = 10) -> l
     shapes = net.param_shapes(classes)
     ours, theirs = [], []
     for seed in range(INIT_SEEDS):
-        ours.append({**layers.init_params(jax.random.key(seed), shapes, zero_init, np.float32,
+        ours.append({**init.init_params(jax.random.key(seed), shapes, zero_init, np.float32,
                                           linear=linear),
-                     **layers.init_buffers(shapes, np.float32)})
+                     **init.init_buffers(shapes, np.float32)})
         torch.manual_seed(seed)
         model = timm.create_model(net.TIMM_NAME, num_classes=classes)
         theirs.append({k: v.detach().numpy() for k, v in [*model.named_parameters(),
@@ -181,7 +180,7 @@ def test_each_net_starts_as_timm_starts_it_and_the_controls_are_seen(net):
     against ResNet's U(+-1/sqrt(D)) both), and ResNet-50 without zero_init_last its 16 bn3
     gammas."""
     assert _init_mismatches(net, net.LINEAR_INIT, net.zero_init_bns()) == []
-    other = next(k for k in layers.LINEAR_INITS if k != net.LINEAR_INIT)
+    other = next(k for k in init.LINEAR_INITS if k != net.LINEAR_INIT)
     head = list(net.param_shapes(10))[-2:]
     assert _init_mismatches(net, other, net.zero_init_bns()) == head
     if net.zero_init_bns():

@@ -12,7 +12,7 @@ from oracle_libs import timm, torch
 from twinstep import dp
 from twinstep.checking import cases, oracle, parity
 from twinstep.cli import info
-from twinstep.nets import NETS, layers, resnet
+from twinstep.nets import NETS, init, layers, resnet
 from twinstep.ops import loss, pool
 from twinstep.ops.precision import F64
 from twinstep.training import state_dict
@@ -63,9 +63,9 @@ def test_names_order_shapes_match_timm(net):
 def model_state(seed, dtype=jnp.float64, net=resnet50):
     key = jax.random.key(seed)
     shapes = net.param_shapes(K)
-    params = layers.init_params(key, shapes, dtype=dtype, linear=net.LINEAR_INIT)
-    return layers.randomize_bn(jax.random.fold_in(key, 1), params,
-                               layers.init_buffers(shapes, dtype))
+    params = init.init_params(key, shapes, dtype=dtype, linear=net.LINEAR_INIT)
+    return init.randomize_bn(jax.random.fold_in(key, 1), params,
+                               init.init_buffers(shapes, dtype))
 
 
 def masks(rng, net, batch: int) -> dict:
@@ -234,16 +234,16 @@ def test_init_keeps_the_dtype_under_x64(dtype):
     f32 weights to f64)."""
     for net in (resnet50, NETS["efficientnet"]):
         shapes = net.param_shapes(10)
-        params = layers.init_params(jax.random.key(0), shapes, dtype=dtype,
+        params = init.init_params(jax.random.key(0), shapes, dtype=dtype,
                                     linear=net.LINEAR_INIT)
-        params, buffers = layers.randomize_bn(jax.random.key(1), params,
-                                              layers.init_buffers(shapes, dtype))
+        params, buffers = init.randomize_bn(jax.random.key(1), params,
+                                              init.init_buffers(shapes, dtype))
         assert {a.dtype for a in (*params.values(), *buffers.values())} == {jnp.dtype(dtype)}
 
 
 def test_zero_init_last_gamma():
     shapes = resnet50.param_shapes(K)
-    params = layers.init_params(jax.random.key(0), shapes, resnet50.zero_init_bns(),
+    params = init.init_params(jax.random.key(0), shapes, resnet50.zero_init_bns(),
                                 linear=resnet50.LINEAR_INIT)
     assert all(float(jnp.abs(params[f"{b}.weight"]).max()) == 0 for b in resnet50.zero_init_bns())
     assert len(resnet50.zero_init_bns()) == 16 and float(params["bn1.weight"][0]) == 1.0

@@ -18,7 +18,7 @@ from oracle_libs import timm, torch
 
 from twinstep import UsageError
 from twinstep.data import batches, digits
-from twinstep.nets import NETS, get_net
+from twinstep.nets import NETS, get_net, init
 from twinstep.training.checkpoint import load_state
 from twinstep.training.config import TrainConfig
 from twinstep.training.state_dict import write_from_run
@@ -439,14 +439,14 @@ def test_evaluation_sharded_over_the_replicas_is_the_single_devices():
 
     from twinstep import program
     from twinstep.checking.bounds import rel
-    from twinstep.nets import NETS, layers
+    from twinstep.nets import NETS
     from twinstep.training import evaluation
 
     mobilenetv4 = NETS["mnv4"]
     shapes = mobilenetv4.param_shapes(10)
-    weights = (layers.init_params(jax.random.key(0), shapes, (), np.float32,
+    weights = (init.init_params(jax.random.key(0), shapes, (), np.float32,
                                   linear=mobilenetv4.LINEAR_INIT),
-               layers.init_buffers(shapes, np.float32))
+               init.init_buffers(shapes, np.float32))
     x = digits.split("val", 32)[0][:8]
     logits = program.eval_program(mobilenetv4, fast_compile="mnv4" in FAST_COMPILE_NETS)
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from twinstep import program, recipes
-from twinstep.nets import NETS, get_net, layers
+from twinstep.nets import NETS, get_net, init
 from twinstep.ops.levers import Levers
 from twinstep.rendering import render, stablehlo
 
@@ -58,9 +58,9 @@ def build(net_name: str, batch: int, res: int, classes: int, options: dict | Non
     setup = program.Setup(precision="bf16", levers=Levers(**levers))
     made = program.train_program(net, recipe, setup, classes=classes, donate=True)
     shapes = net.param_shapes(classes)
-    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
+    params = init.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
                                 linear=net.LINEAR_INIT)
-    state = made.init(params, layers.init_buffers(shapes))
+    state = made.init(params, init.init_buffers(shapes))
     rng = np.random.default_rng(0)
     xs = jnp.asarray(rng.standard_normal((1, batch, res, res, 3)), jnp.float32)
     ts = jax.nn.one_hot(jnp.asarray(rng.integers(0, classes, (1, batch))), classes)

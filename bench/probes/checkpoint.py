@@ -42,7 +42,7 @@ def main(args) -> None:
 
     from bench.common import PROBE_RESULTS, probe_decision, write_results
     from twinstep import api, dp, program, recipes
-    from twinstep.nets import get_net, layers
+    from twinstep.nets import get_net, init
     from twinstep.ops.precision import get_precision
     from twinstep.training.checkpoint import Checkpoints
 
@@ -52,9 +52,9 @@ def main(args) -> None:
     shapes = net.param_shapes(10)
     setup = program.Setup(replicas=args.replicas, precision=args.precision)
     made = program.train_program(net, recipe, setup, classes=10)
-    state = made.init(layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(), dtype,
+    state = made.init(init.init_params(jax.random.key(0), shapes, net.zero_init_bns(), dtype,
                                          linear=net.LINEAR_INIT),
-                      layers.init_buffers(shapes, dtype))
+                      init.init_buffers(shapes, dtype))
     # a trained state, not the initial one: its zero moments compress away, as no state's
     # after the first step do
     with tempfile.TemporaryDirectory() as run:

@@ -28,7 +28,7 @@ from bench.common import (
 )
 from twinstep import program, recipes
 from twinstep.checking import inputs as tie_inputs
-from twinstep.nets import get_net, layers
+from twinstep.nets import get_net, init
 from twinstep.ops.precision import get_precision
 from twinstep.rendering import iree, render
 
@@ -39,11 +39,11 @@ def inputs(recipe, res: int, precision: str = "f32") -> list:
     """The flat inputs of the render: a fresh train state, one batch, a key."""
     net = get_net(recipe.net)
     shapes = net.param_shapes(CLASSES)
-    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
+    params = init.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
                                 linear=net.LINEAR_INIT)
     made = program.train_program(net, recipe, program.Setup(precision=precision),
                                  classes=CLASSES)
-    state = made.init(params, layers.init_buffers(shapes))
+    state = made.init(params, init.init_buffers(shapes))
     xs, ts = tie_inputs.batch(np.random.default_rng(0), (recipe.accum, recipe.batch), res=res,
                               classes=CLASSES, replicas=1, shift=False,
                               dtype=get_precision(precision).dtype)

@@ -26,7 +26,7 @@ from bench.common import (
     write_results,
 )
 from twinstep import program, recipes, step
-from twinstep.nets import get_net, layers
+from twinstep.nets import get_net, init
 
 CLASSES = 1000
 
@@ -34,9 +34,9 @@ CLASSES = 1000
 def programs(name: str, res: int, batch: int) -> dict:
     net = get_net(name)
     shapes = net.param_shapes(CLASSES)
-    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
+    params = init.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
                                 linear=net.LINEAR_INIT)
-    buffers = layers.init_buffers(shapes)
+    buffers = init.init_buffers(shapes)
     rng = np.random.default_rng(0)
     key = jax.random.key(1)
     ctx = program.Setup().context()

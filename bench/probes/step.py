@@ -26,7 +26,7 @@ from bench.common import (
 )
 from twinstep import program
 from twinstep.checking import parity
-from twinstep.nets import NETS, layers
+from twinstep.nets import NETS, init, layers
 from twinstep.ops import loss
 from twinstep.ops.levers import Levers
 
@@ -35,8 +35,8 @@ K = 10
 
 def peers(net, res, batch, depthwise_path=None):
     shapes = net.param_shapes(K)
-    params = layers.init_params(jax.random.key(0), shapes, linear=net.LINEAR_INIT)
-    buffers = layers.init_buffers(shapes)
+    params = init.init_params(jax.random.key(0), shapes, linear=net.LINEAR_INIT)
+    buffers = init.init_buffers(shapes)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, res, res, 3)).astype(np.float32)
     labels = rng.integers(0, K, batch)

@@ -28,7 +28,7 @@ from bench.common import (
     write_results,
 )
 from twinstep import dp, optim, program, recipes, step
-from twinstep.nets import get_net, layers
+from twinstep.nets import get_net, init
 
 CLASSES = 1000
 
@@ -50,9 +50,9 @@ def parts(name: str, res: int, batch: int) -> dict:
 
     net = get_net(name)
     shapes = net.param_shapes(CLASSES)
-    params = layers.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
+    params = init.init_params(jax.random.key(0), shapes, net.zero_init_bns(),
                                 linear=net.LINEAR_INIT)
-    buffers = layers.init_buffers(shapes)
+    buffers = init.init_buffers(shapes)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((batch, res, res, 3)), jnp.float32)
     t = jax.nn.one_hot(jnp.asarray(rng.integers(0, CLASSES, batch)), CLASSES)

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from twinstep import dp, program
-from twinstep.nets import layers
+from twinstep.nets import init, layers
 from twinstep.ops import loss as losses
 from twinstep.ops.precision import Precision, get_precision
 
 SHIFT = 1.0  # replica r's images are offset by r: Chan's correction term is then O(1)
 MIXUP_LAMBDA = (0.3, 1.0)  # the mixing weight's range: every target row is soft
-# near-init's betas are this N(0, 1), not layers.near_init_bn's NEAR_INIT_SCALE N(0, 1): where a
+# near-init's betas are this N(0, 1), not init.near_init_bn's NEAR_INIT_SCALE N(0, 1): where a
 # BN's output reaches the next BN through per-channel positively homogeneous maps only (ReLU,
 # depthwise convs), per channel gamma g_gamma = -beta g_beta: gamma's gradient is a cancellation
 # to |beta| / gamma of its terms, and f32 resolves it that much worse (docs/tie.md#f32)
@@ -53,14 +53,14 @@ def setup(cfg, net):
     prec = tie_precision(cfg.precision)
     key = jax.random.key(cfg.seed)
     shapes = net.param_shapes(cfg.classes)
-    params = layers.init_params(key, shapes, dtype=prec.dtype, linear=net.LINEAR_INIT)
-    buffers = layers.init_buffers(shapes, prec.dtype)
+    params = init.init_params(key, shapes, dtype=prec.dtype, linear=net.LINEAR_INIT)
+    buffers = init.init_buffers(shapes, prec.dtype)
     if cfg.state == "near-init":
-        params = layers.near_init_bn(jax.random.fold_in(key, 1), params, net.branch_end_bns())
-        widen = NEAR_INIT_BETA / layers.NEAR_INIT_SCALE  # the same draws, NEAR_INIT_BETA N(0, 1)
+        params = init.near_init_bn(jax.random.fold_in(key, 1), params, net.branch_end_bns())
+        widen = NEAR_INIT_BETA / init.NEAR_INIT_SCALE  # the same draws, NEAR_INIT_BETA N(0, 1)
         params |= {f"{bn}.bias": params[f"{bn}.bias"] * widen for bn in layers.bn_names(shapes)}
     else:
-        params, buffers = layers.randomize_bn(jax.random.fold_in(key, 1), params, buffers)
+        params, buffers = init.randomize_bn(jax.random.fold_in(key, 1), params, buffers)
     rng = np.random.default_rng(cfg.seed)
     x, t = batch(rng, (cfg.replicas * cfg.batch,), res=cfg.res, classes=cfg.classes,
                  replicas=cfg.replicas, shift=cfg.shift, dtype=prec.dtype)

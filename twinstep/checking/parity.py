@@ -14,7 +14,7 @@ import numpy as np
 
 from twinstep import program
 from twinstep.checking.bounds import grad_err, rel
-from twinstep.nets import layers
+from twinstep.nets import init
 from twinstep.ops import loss as losses
 from twinstep.ops.precision import get_precision
 
@@ -133,9 +133,9 @@ def run_parity(net, *, res: int = 64, batch: int = 2, precision: str = "f64", lo
     key = jax.random.key(seed)
     shapes = net.param_shapes(num_classes)
     if params is None:
-        params = layers.init_params(key, shapes, dtype=prec.dtype, linear=net.LINEAR_INIT)
-        buffers = layers.init_buffers(shapes, prec.dtype)
-        params, buffers = layers.randomize_bn(jax.random.fold_in(key, 1), params, buffers)
+        params = init.init_params(key, shapes, dtype=prec.dtype, linear=net.LINEAR_INIT)
+        buffers = init.init_buffers(shapes, prec.dtype)
+        params, buffers = init.randomize_bn(jax.random.fold_in(key, 1), params, buffers)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, res, res, 3))
     labels = rng.integers(0, num_classes, batch)

@@ -27,7 +27,7 @@ class Net(Protocol):
     MASKS: tuple[str, ...]  # the keyword mask arguments `forward` accepts, e.g. ("drop_path",)
     TRAIN_RES: int  # the default training resolution of a recipe for this net (no <res> token)
     DROP_PATH_RATE: float  # the default stochastic-depth rate of a recipe with 'drop'
-    LINEAR_INIT: str  # how timm starts its linear layers: a key of layers.LINEAR_INITS
+    LINEAR_INIT: str  # how timm starts its linear layers: a key of init.LINEAR_INITS
 
     def param_shapes(self, num_classes: int = 1000) -> dict[str, tuple[int, ...]]:
         """{timm name: shape} in timm's ``named_parameters()`` order; the classifier is

@@ -109,7 +109,7 @@ class EfficientNet:
     MASKS = ("drop_path", "dropout")  # the keyword masks `forward` takes
     TRAIN_RES = 224  # timm's training resolution for both
     DROP_PATH_RATE = 0.2  # timm's EfficientNet-B0 recipe (--drop-path 0.2)
-    LINEAR_INIT = "fan_out"  # the classifier as timm's _init_weight_goog starts it (layers.py)
+    LINEAR_INIT = "fan_out"  # the classifier as timm's _init_weight_goog starts it (init.py)
 
     def __init__(self, name: str):
         self.NAME = name

@@ -180,7 +180,7 @@ class MobileNetV4:
     FEATURES = FEATURES
     MASKS = ("drop_path", "dropout")  # the keyword masks `forward` takes
     DROP_PATH_RATE = 0.075  # the medium recipe's stochastic depth
-    LINEAR_INIT = "fan_out"  # the classifier as timm's _init_weight_goog starts it (layers.py)
+    LINEAR_INIT = "fan_out"  # the classifier as timm's _init_weight_goog starts it (init.py)
 
     def __init__(self, name: str):
         self.NAME = name

@@ -65,7 +65,7 @@ class ResNet:
     MASKS = ("drop_path", "dropout")  # the keyword masks `forward` takes
     TRAIN_RES = 224  # timm's training resolution (the RSB A1/A2 recipes)
     DROP_PATH_RATE = 0.05  # the RSB recipes' stochastic depth
-    LINEAR_INIT = "fan_in"  # fc as timm's ResNet leaves it: PyTorch's default (layers.py)
+    LINEAR_INIT = "fan_in"  # fc as timm's ResNet leaves it: PyTorch's default (init.py)
 
     def __init__(self, name: str):
         self.NAME = self.TIMM_NAME = name

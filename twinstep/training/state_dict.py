@@ -30,7 +30,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from twinstep.errors import UsageError
-from twinstep.nets import layers
+from twinstep.nets import init, layers
 from twinstep.ops.precision import get_precision
 from twinstep.processes import disk
 from twinstep.training.checkpoint import FOLDER, load_state
@@ -230,9 +230,9 @@ def initial_state(cfg, net, prog, classes: int):
     it)."""
     prec = get_precision(cfg.precision)
     shapes = net.param_shapes(classes)
-    params = layers.init_params(jax.random.key(cfg.seed), shapes, net.zero_init_bns(), prec.dtype,
+    params = init.init_params(jax.random.key(cfg.seed), shapes, net.zero_init_bns(), prec.dtype,
                                linear=net.LINEAR_INIT)
-    buffers = layers.init_buffers(shapes, prec.dtype)
+    buffers = init.init_buffers(shapes, prec.dtype)
     if cfg.init_from is not None:
         try:
             loaded, loaded_buffers, k = to_net(net, load(cfg.init_from), prec.dtype)
