@@ -78,7 +78,13 @@ def stream(make, start: int, stop: int, workers: int, ahead: int):
             while i not in ready:
                 j, parts = _receive(done, procs, returns)
                 ready[j] = parts
-            yield tuple(_take(part, returns) for part in ready.pop(i))
+            parts = ready.pop(i)
+            # a worker's error is raised in the items' order, whichever worker finished first
+            if isinstance(parts, str):
+                raise WorkerError(parts)
+            if isinstance(parts, UsageError):
+                raise parts
+            yield tuple(_take(part, returns) for part in parts)
     finally:
         for _ in procs:
             tasks.put(None)
@@ -113,8 +119,8 @@ def _remove(path: str) -> None:
 
 
 def _receive(done, procs, returns: _Returns) -> tuple[int, list]:
-    """The next finished item (index, parts), raising a worker's error or death; the blocks its
-    worker did not send go back to ``returns``."""
+    """The next finished item (index, parts — a worker's error: its line, or its UsageError),
+    raising a worker's death; the blocks its worker did not send go back to ``returns``."""
     while True:
         try:
             j, parts, unsent = done.get(timeout=POLL_S)
@@ -125,10 +131,6 @@ def _receive(done, procs, returns: _Returns) -> tuple[int, list]:
             continue
         for name in unsent:
             _give_back(returns, name)
-        if isinstance(parts, str):
-            raise WorkerError(parts)
-        if isinstance(parts, UsageError):
-            raise parts
         return j, parts
 
 
