@@ -178,7 +178,10 @@ def test_every_control_breaks_the_tie(net, control, tmp_path, record_property):
     mean is per example, the same on the replicas as on the single device)."""
     r = run(net=net, replicas=2, control=control)
     assert r.status == "NOT tied"
-    assert "NOT tied" in r.verdict()
+    failing = sum(not p["ok"] for p in r.parameters)  # the verdict counts failures, not passes
+    assert r.verdict().startswith(f"NOT tied: {failing} of {len(r.parameters)} parameters and "
+                                  f"{sum(not b['ok'] for b in r.bn_sites)} of "
+                                  f"{len(r.bn_sites)} BN sites outside their bounds"), r.verdict()
     largest, smallest = margin(r)
     record_property("control_margin", largest)
     print(f"{net} {control}: failing rows exceed their bounds {smallest:.1e} to {largest:.1e} "

@@ -188,6 +188,8 @@ def power_text(head: str, loose: list, bounds: list) -> str:
     are too loose and what to change."""
     if head != "inconclusive":
         name, b = max(bounds, key=lambda nb: nb[1])
+        if b == min(b for _, b in bounds):  # all at one floor: no row to name
+            return f"; every bound {b:.1e}"
         return f"; loosest bound {b:.1e} ({name})"
     b, name = loose[0]
     return (f"; {len(loose)} of {len(bounds)} bounds exceed {INCONCLUSIVE_BOUND:g} (loosest: "

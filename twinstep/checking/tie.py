@@ -201,8 +201,11 @@ class TieReport(bounds.Verdict):
         b_ok = sum(b["ok"] for b in self.bn_sites)
         w = self.worst
         head, loose = bounds.status(self.within, self._bounds())
-        text = (f"{head}: {n_ok}/{len(self.parameters)} parameters, {b_ok}/{len(self.bn_sites)} "
-                f"BN sites; worst rel err {w['rel_err']:.1e} ({w['name']})")
+        n, b = len(self.parameters), len(self.bn_sites)
+        counts = (f"{n_ok}/{n} parameters, {b_ok}/{b} BN sites" if self.within else
+                  f"{n - n_ok} of {n} parameters and {b - b_ok} of {b} BN sites outside their "
+                  f"bounds")  # a failure counts the failures, not what held
+        text = f"{head}: {counts}; worst rel err {w['rel_err']:.1e} ({w['name']})"
         text += bounds.power_text(head, loose, self._bounds())
         if not self.within:
             bad = [p["name"] for p in self.parameters if not p["ok"]][:3]

@@ -112,9 +112,13 @@ class StepsReport(bounds.Verdict):
         worst, at = max(rows, key=lambda rs: rs[0]["rel_err"])
         last = self.steps[-1]["rows"]
         head, loose = bounds.status(self.within, self._bounds())
-        text = (f"{head} over {len(self.steps)} steps: {sum(r['ok'] for r in last)}/{len(last)} "
-                f"state tensors after the last; worst rel err {worst['rel_err']:.1e} "
-                f"({worst['name']}, step {at})")
+        held = sum(r["ok"] for r in last)
+        counts = (f"{held}/{len(last)} state tensors after the last" if self.within else
+                  f"{len(last) - held} of {len(last)} state tensors outside their bounds after "
+                  f"the last")  # a failure counts the failures, not what held
+        steps = f"{len(self.steps)} step" + ("s" if len(self.steps) != 1 else "")
+        text = (f"{head} over {steps}: {counts}; worst rel err "
+                f"{worst['rel_err']:.1e} ({worst['name']}, step {at})")
         text += bounds.power_text(head, loose, self._bounds())
         if not self.within:
             bad = [f"{r['name']} (step {s})" for r, s in rows if not r["ok"]][:3]
