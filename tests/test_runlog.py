@@ -297,3 +297,38 @@ def test_imports_stay_light(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout.split("\n")
     assert out[:2] == ["[]", "True False"]
+
+
+@pytest.mark.parametrize("recipe", ["mnv4in_adamdp16", "efficientnetin_emarmsdp64dropdo"])
+def test_plot_draws_the_whole_schedule_the_optimizer_steps(tmp_path, recipe):
+    """The lr panel draws every step's lr from the run's config.json — NumPy's evaluation of the
+    optimizer's own schedule (cosine; step decay), equal to JAX's in f64 at every step, warmup
+    included — under the logged points; without a config.json only the records are drawn (the
+    control: another picture)."""
+    import dataclasses
+    import json
+
+    import jax.numpy as jnp
+
+    from twinstep import optim
+    from twinstep.training.config import TrainConfig
+
+    cfg = TrainConfig(recipe, str(tmp_path / "unused"), steps=60)
+    run = json.loads(json.dumps({"steps": cfg.steps, "resolved_recipe": dataclasses.asdict(
+        cfg.parsed_recipe())}))
+    steps, lr = run_log._schedule(run)
+    want = np.asarray(optim.recipe_schedule(cfg.parsed_recipe())(jnp.arange(60.0)))  # f64
+    assert want.dtype == np.float64
+    # one formula: NumPy's cos and XLA's differ by an ulp or two
+    assert steps.tolist() == list(range(1, 61)) and np.abs(lr - want).max() <= 1e-15 * want.max()
+    warmup = cfg.parsed_recipe().warmup_steps
+    assert warmup > 0 and lr[0] < lr[warmup - 1] < lr[warmup]  # the ramp is drawn
+    pictures = []
+    for with_config in (True, False):
+        run_dir = tmp_path / f"run{with_config}" / "run"
+        with run_log.RunLog(str(run_dir)) as log:
+            _log(log, range(10, 70, 10))
+        if with_config:
+            (run_dir / "config.json").write_text(json.dumps(run))
+        pictures.append(_pixels(run_log.plot(str(run_dir))))
+    assert not np.array_equal(*pictures)

@@ -65,7 +65,7 @@ def decay_mask(params: dict, wx: bool) -> dict[str, bool]:
 
 
 def lr_schedule(peak_lr: float, warmup_steps: int, total_steps: int, warmup_init: float = 0.0,
-                end_lr: float = 0.0) -> optax.Schedule:
+                end_lr: float = 0.0, xp=jnp) -> optax.Schedule:
     """Linear warmup then cosine, indexed by the optimizer step s = 0, 1, … (optax's count: the
     first update uses s = 0) — timm's CosineLRScheduler stepped per update (``step_update``,
     warmup_prefix=False, one cycle) (docs/recipes.md#learning-rate-schedule):
@@ -80,22 +80,23 @@ def lr_schedule(peak_lr: float, warmup_steps: int, total_steps: int, warmup_init
     run). optax's own warmup_cosine_decay_schedule evaluates in f32 even then, and two compiled
     programs (replica, single device) round it differently by an ulp or two, which every f64
     Adam-type update carries uniformly, far above the tie's bound (bench/history/
-    2026-12-03.md, "measurements behind the design").
+    2026-12-03.md, "measurements behind the design"). ``xp=numpy``: the same schedule in NumPy,
+    for a reader without JAX (`twinstep plot`).
     """
     if not 0 <= warmup_steps < total_steps:
         raise ValueError(f"need 0 <= warmup_steps < total_steps, got {warmup_steps}, {total_steps}")
 
     def schedule(count):
-        s = jnp.asarray(count, jnp.result_type(float))
+        s = xp.asarray(count, xp.result_type(float))
         warm = warmup_init + (peak_lr - warmup_init) * s / max(warmup_steps, 1)
-        cosine = end_lr + (peak_lr - end_lr) * 0.5 * (1.0 + jnp.cos(jnp.pi * s / total_steps))
-        return jnp.where(s < warmup_steps, warm, jnp.where(s < total_steps, cosine, end_lr))
+        cosine = end_lr + (peak_lr - end_lr) * 0.5 * (1.0 + xp.cos(xp.pi * s / total_steps))
+        return xp.where(s < warmup_steps, warm, xp.where(s < total_steps, cosine, end_lr))
 
     return schedule
 
 
 def step_lr_schedule(peak_lr: float, warmup_steps: int, decay_steps: float, decay_rate: float,
-                     warmup_init: float = 0.0) -> optax.Schedule:
+                     warmup_init: float = 0.0, xp=jnp) -> optax.Schedule:
     """Linear warmup then a staircase, indexed by the optimizer step s as `lr_schedule` — timm's
     StepLRScheduler stepped per update (``--sched step --sched-on-updates``, warmup_prefix=False)
     (docs/recipes.md#learning-rate-schedule):
@@ -112,10 +113,10 @@ def step_lr_schedule(peak_lr: float, warmup_steps: int, decay_steps: float, deca
                          f"{decay_steps}")
 
     def schedule(count):
-        s = jnp.asarray(count, jnp.result_type(float))
+        s = xp.asarray(count, xp.result_type(float))
         warm = warmup_init + (peak_lr - warmup_init) * s / max(warmup_steps, 1)
-        staircase = peak_lr * decay_rate ** jnp.floor_divide(s, decay_steps)
-        return jnp.where(s < warmup_steps, warm, staircase)
+        staircase = peak_lr * decay_rate ** xp.floor_divide(s, decay_steps)
+        return xp.where(s < warmup_steps, warm, staircase)
 
     return schedule
 
@@ -166,13 +167,14 @@ def make_optimizer(kind: str, learning_rate, *, weight_decay: float, wx: bool, c
     return optax.chain(*chain)
 
 
-def recipe_schedule(recipe) -> optax.Schedule:
+def recipe_schedule(recipe, xp=jnp) -> optax.Schedule:
     """A recipe's learning rate per optimizer step: its warmup, then its cosine (`lr_schedule`)
-    or its step decay (`step_lr_schedule`)."""
+    or its step decay (`step_lr_schedule`); in NumPy with ``xp=numpy``."""
     if recipe.schedule == "step":
         return step_lr_schedule(recipe.lr, recipe.warmup_steps, recipe.decay_steps,
-                                recipe.decay_rate, recipe.warmup_lr)
-    return lr_schedule(recipe.lr, recipe.warmup_steps, recipe.total_steps, recipe.warmup_lr)
+                                recipe.decay_rate, recipe.warmup_lr, xp=xp)
+    return lr_schedule(recipe.lr, recipe.warmup_steps, recipe.total_steps, recipe.warmup_lr,
+                       xp=xp)
 
 
 def for_recipe(recipe, params: dict) -> optax.GradientTransformation:

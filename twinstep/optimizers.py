@@ -18,6 +18,7 @@ class Optimizer:
 
     token: str  # in a recipe name (AdamW with accumulation is "acc" alone)
     lr: float  # the peak learning rate when a recipe gives none
+    lr_batch: int  # the global batch that lr was published for
     weight_decay: float  # when the name has no wd token
     # an Adam's ε (its moments scale the update) or an RMSProp's (inside the square root); None:
     # SGD's momentum
@@ -45,17 +46,17 @@ class Optimizer:
 
 # the catalogue
 OPTIMIZERS = {
-    "lamb": Optimizer(token="lamb", lr=5e-3, weight_decay=0.02, eps=1e-6, trust_ratio=True,
-                      what="LAMB", note="per-tensor trust ratio"),
-    "adamw": Optimizer(token="adam", lr=4e-3, weight_decay=0.05, eps=1e-8, what="AdamW",
-                       note="decoupled decay"),
-    "momentum": Optimizer(token="mom", lr=0.1, weight_decay=1e-4, what="SGD"),
-    "sgd": Optimizer(token="sgd", lr=0.1, weight_decay=1e-4, nesterov=True, what="SGD",
-                     note="timm --opt sgd"),
+    "lamb": Optimizer(token="lamb", lr=5e-3, lr_batch=2048, weight_decay=0.02, eps=1e-6,
+                      trust_ratio=True, what="LAMB", note="per-tensor trust ratio"),
+    "adamw": Optimizer(token="adam", lr=4e-3, lr_batch=4096, weight_decay=0.05, eps=1e-8,
+                       what="AdamW", note="decoupled decay"),
+    "momentum": Optimizer(token="mom", lr=0.1, lr_batch=256, weight_decay=1e-4, what="SGD"),
+    "sgd": Optimizer(token="sgd", lr=0.1, lr_batch=256, weight_decay=1e-4, nesterov=True,
+                     what="SGD", note="timm --opt sgd"),
     # timm's EfficientNet-B0 recipe: --opt rmsproptf --opt-eps .001 --lr .048 --weight-decay 1e-5
     # (2 processes x -b 384). The lr as published, not scaled to DEFAULT_BATCH, as every row's is
     # its recipe's peak at that recipe's own global batch (LAMB's 2048, AdamW's 4096, SGD's 256)
-    "rmsproptf": Optimizer(token="rms", lr=0.048, weight_decay=1e-5, eps=1e-3, alpha=0.9,
-                           what="RMSProp (TF)",
+    "rmsproptf": Optimizer(token="rms", lr=0.048, lr_batch=768, weight_decay=1e-5, eps=1e-3,
+                           alpha=0.9, what="RMSProp (TF)",
                            note="lr in the momentum, square average from 1"),
 }

@@ -7,7 +7,10 @@ from __future__ import annotations
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
 
-def _preset(epochs: int, global_batch: int, replicas: int = 8, **fields) -> dict:
+REPLICAS = 8  # the R each preset is data-parallel for: N = timm's global batch / 8
+
+
+def _preset(epochs: int, global_batch: int, replicas: int = REPLICAS, **fields) -> dict:
     """A preset's row (docs/recipes.md) as dp at N = global / R with k = 1 on R = 8, its schedule
     per optimizer step: timm's drop-last epoch of ImageNet, 5 warmup epochs, cosine to the end."""
     per_epoch = IMAGENET_TRAIN_IMAGES // global_batch

@@ -19,6 +19,7 @@ from twinstep.errors import UsageError
 from twinstep.nets import NETS
 from twinstep.optimizers import OPTIMIZERS
 from twinstep.presets import PRESETS as PRESET_FIELDS
+from twinstep.presets import REPLICAS as PRESET_REPLICAS
 
 # the <data> token: "in" names ImageNet-1k (the seeds' spelling, the presets'), none your own
 # images, whose classes come from --data's folder
@@ -371,6 +372,16 @@ def parse(name: str) -> Recipe:
     if name in PRESETS:
         return PRESETS[name]
     return _parse_grammar(name)
+
+
+def lr_batch(name: str, recipe: Recipe) -> int | None:
+    """The global batch the lr of recipe ``name`` (``recipe``, with a run's overrides) was
+    published for: a preset's (timm's, at R = 8), the optimizer's for its default lr; None
+    where neither gives it."""
+    if name in PRESETS:
+        return PRESET_REPLICAS * PRESETS[name].batch * PRESETS[name].accum
+    row = OPTIMIZERS[recipe.optimizer]
+    return row.lr_batch if recipe.lr == row.lr else None
 
 
 PRESETS = {name: Recipe(**fields) for name, fields in PRESET_FIELDS.items()}  # by name

@@ -257,9 +257,35 @@ def read_metrics(run_dir: str) -> tuple[list[dict], list[dict]]:
     return ([r for r in records if "eval" not in r], [r for r in records if "eval" in r])
 
 
+def _run_config(run_dir: str) -> dict:
+    """RUN_DIR's config.json ({} where it has none: only its metrics are drawn)."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _schedule(run: dict):
+    """(steps, lr) of the run's whole schedule — the recipe's, as the optimizer steps it,
+    evaluated in NumPy — or None for a config that does not hold one."""
+    import numpy as np  # lazy: the module docstring
+
+    from twinstep import optim, recipes
+
+    try:
+        recipe = recipes.Recipe(**run["resolved_recipe"])
+        steps = np.arange(1, run["steps"] + 1)
+        return steps, optim.recipe_schedule(recipe, xp=np)(steps - 1)  # step s runs lr(s - 1)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def plot(run_dir: str, out: str | None = None) -> str:
-    """Draw RUN_DIR's curves — train loss, learning rate, eval top-1 (raw, and EMA when the run
-    has it) against the step — into a PNG at ``out`` (default RUN_DIR/curves.png), written
+    """Draw RUN_DIR's curves — train loss, learning rate (as logged, over the recipe's whole
+    schedule), eval top-1
+    (raw, and EMA when the run has it; 0 to 1) against the step, 0 to the run's last, on one
+    axis — into a PNG at ``out`` (default RUN_DIR/curves.png), written
     whole or not at all; returns its path. UsageError when there is nothing to draw."""
     train, evals = read_metrics(run_dir)
     if not train and not evals:
@@ -268,11 +294,19 @@ def plot(run_dir: str, out: str | None = None) -> str:
     fig = disk.png_figure(path, "--out", (13, 3.8))
     # fixed margins: a layout engine would draw the figure twice (~2x the time)
     fig.subplots_adjust(left=0.05, right=0.99, bottom=0.14, top=0.84, wspace=0.22)
-    ax_loss, ax_lr, ax_top1 = fig.subplots(1, 3)
+    ax_loss, ax_lr, ax_top1 = fig.subplots(1, 3, sharex=True)  # one step axis: the run's
     steps = [r["step"] for r in train]
     for ax, key, title in ((ax_loss, "loss", "train loss"), (ax_lr, "lr", "learning rate")):
-        ax.plot(steps, [r.get(key, math.nan) for r in train], lw=1.2)
+        ax.plot(steps, [r.get(key, math.nan) for r in train], ".-" if len(steps) < 50 else "-",
+                lw=1.2, ms=3)
         ax.set_title(title)
+    run = _run_config(run_dir)
+    if (schedule := _schedule(run)) is not None:  # every step's lr: the warmup drawn whole
+        ax_lr.plot(*schedule, lw=0.8, color="0.6", zorder=0, label="schedule")
+        ax_lr.legend(["logged", "schedule"], fontsize=8)
+    last = max([run.get("steps") or 0] + steps + [r["step"] for r in evals])
+    ax_loss.set_xlim(0, max(last, 1))
+    ax_top1.set_ylim(0, 1)
     for name, style in (("raw", "o-"), ("ema", "s--")):
         points = [(r["step"], r["eval"][name]["top1"]) for r in evals if name in r["eval"]]
         if points:
