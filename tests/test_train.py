@@ -21,7 +21,7 @@ from twinstep.data import batches, digits
 from twinstep.nets import NETS, get_net, init
 from twinstep.training.checkpoint import load_state
 from twinstep.training.config import TrainConfig
-from twinstep.training.state_dict import write_from_run
+from twinstep.training.export import write_from_run
 
 RECIPE = "mnv4in_adamdp4"  # MobileNetV4: compiling dominates its small steps (conftest)
 # the killed-and-resumed runs' (`_train`): the smallest net, as what is held is the loop's
@@ -138,15 +138,14 @@ def test_a_run_killed_and_resumed_ends_bit_for_bit_where_an_uninterrupted_one_do
     from twinstep.training import compare
 
     data = write_folder(str(tmp_path / "data"))
-    with open(os.path.join(data, "train", "ant", "1.JPG"), "wb") as f:
-        f.write(b"\xff\xd8 truncated")  # drawn: 6 steps of 8 rows read each of 12 images
+    bad = _two_bad_images(data)  # drawn: 6 steps of 8 rows read each of the 11 left
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     done = subprocess.run(_train(whole, data, "--workers", "2"), capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr
     assert "val (raw): top-1" in done.stdout
-    assert done.stderr.count("does not decode") == 1, done.stderr
-    assert json.loads((whole / "metrics.jsonl").read_text().splitlines()[-2])["skipped"] > 0
+    _named_once_and_counted(whole, done.stderr, bad)
+    assert "11 train, 12 val images; 1 left out" in done.stdout, done.stdout
     # killed mid-run: once it has logged step 3 and its step-2 checkpoint is whole — somewhere
     # in steps 4-6, or writing the step-4 checkpoint — while it still runs (the kill's status)
     proc = subprocess.Popen(_train(killed, data), stdout=subprocess.DEVNULL,
@@ -162,6 +161,7 @@ def test_a_run_killed_and_resumed_ends_bit_for_bit_where_an_uninterrupted_one_do
     # it restored) and ran steps saved + 1 .. 6 only (its own TensorBoard event file)
     assert f"twinstep train: resumed from step {saved}\n" in resumed.stdout, resumed.stdout
     assert attempts(killed)[-1] == (saved + 1, list(range(saved + 1, 7))), attempts(killed)
+    _named_once_and_counted(killed, resumed.stderr, bad, resumed=True)
     a, b = load_state(whole), load_state(killed)
     import jax
 
@@ -180,12 +180,46 @@ def test_a_run_killed_and_resumed_ends_bit_for_bit_where_an_uninterrupted_one_do
     assert found["runs"][0]["top1"] == logged["top1"]
     assert logged["top1_low"] <= logged["top1"] <= logged["top1_high"]
     assert "(95% interval" in done.stdout
-    _exported_weights_run_in_timm_as_in_twinstep(whole)
+    _exported_weights_evaluate_in_timm_as_in_twinstep(whole, data)
+    again = subprocess.run(_train(killed, data), capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0 and "already finished at step 6;" in again.stdout, again.stdout
+    assert (killed / "metrics.jsonl").read_text().splitlines() == lines  # nothing ran
     # refused: the same RUN_DIR with another setting
     other = subprocess.run(_train(killed, data, "--seed", "1"), capture_output=True, text=True,
                            timeout=300)
     assert other.returncode == 2 and other.stderr.count("\n") == 1
     assert "seed = 0" in other.stderr
+
+
+def _two_bad_images(data: str) -> list[str]:
+    """Two images of ``data``'s train/ that do not read, made so: one whose header does not
+    (left out before the first step), one cut short after its header (replaced where met)."""
+    header, cut = (os.path.join(data, "train", c, "1.JPG") for c in ("ant", "Dog"))
+    with open(header, "wb") as f:
+        f.write(b"\xff\xd8 truncated")
+    whole = open(cut, "rb").read()
+    with open(cut, "wb") as f:
+        f.write(whole[:len(whole) - 60])
+    return [header, cut]
+
+
+def _named_once_and_counted(run_dir, stderr: str, bad: list[str], resumed: bool = False):
+    """Each of ``bad`` named once in skipped.txt, and on stderr by the run that met it (a
+    resumed run points to the file); metrics.jsonl's ``skipped`` is 2 from where both were
+    met: distinct images, not hits, a resumed run's too."""
+    from twinstep.data import screen
+
+    listed = screen.read(str(run_dir))
+    assert sorted(b.name for b in listed) == sorted(bad), listed
+    assert [b.action for b in listed] == [screen.LEFT_OUT, screen.REPLACED], listed
+    if resumed:  # the killed run named the first; the second, if it met it before the kill
+        assert "images that do not read so far: " in stderr and bad[0] not in stderr, stderr
+        assert stderr.count(bad[1]) <= 1, stderr
+    else:
+        assert [stderr.count(path) for path in bad] == [1, 1], stderr
+    counts = [json.loads(line)["skipped"] for line in
+              (run_dir / "metrics.jsonl").read_text().splitlines() if '"skipped"' in line]
+    assert counts[0] >= 1 and counts[-1] == 2 and max(counts) == 2, counts
 
 
 def _await(proc, condition, seconds: float = 900) -> None:
@@ -227,29 +261,48 @@ def attempts(run_dir) -> list[tuple[int, list[int]]]:
     return out
 
 
-def _exported_weights_run_in_timm_as_in_twinstep(run_dir):
-    """`twinstep weights` (both formats) loads into timm, whose eval logits on the val images are
-    twinstep's to f32 precision (1e-4 relative); a K-class classifier included."""
+def _exported_weights_evaluate_in_timm_as_in_twinstep(run_dir, data: str):
+    """`twinstep weights` (both formats) writes a timm model folder that timm loads by itself
+    ('local-dir:'), whose config makes timm's own eval transform over the val images give the
+    run's last evaluation: the same top-1, the loss to f32 precision (1e-5 relative). Control:
+    the same with timm's default resize for a net, bicubic, moves the loss past that bound."""
     import timm
     import torch
+    from timm.data import create_transform, resolve_data_config
+    from torchvision.datasets import ImageFolder
 
-    from twinstep import program
     from twinstep.checking.bounds import rel
-    net = get_net(RUN_NET)
-    state = load_state(run_dir)
-    classes = json.loads((run_dir / "config.json").read_text())["classes"]
-    x = digits.split("val", 32)[0][:16]
-    ours = program.eval_program(net)(state["params"], state["buffers"], x)
+    from twinstep.training import export
+
+    logged = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["eval"]["raw"]
     done = subprocess.run([sys.executable, "-m", "twinstep.cli", "weights", str(run_dir)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    for path in (done.stdout.strip(), write_from_run(str(run_dir), "pth")):
-        model = timm.create_model(net.TIMM_NAME, num_classes=classes,
-                                  pretrained=True, pretrained_cfg_overlay=dict(
-                                      file=path, num_classes=classes)).eval()
+    assert done.stdout.startswith(f"{run_dir / 'timm'}: step 6's raw weights"), done.stdout
+    pth = export.write_from_run(str(run_dir), "pth", out=str(run_dir / "timm_pth"))
+    assert pth == (str(run_dir / "timm_pth"), 6)
+    modes = {os.stat(p).st_mode & 0o777 for p in (run_dir / "config.json", run_dir / "timm" /
+                                                  "model.safetensors", run_dir / "timm_pth" /
+                                                  "pytorch_model.pth")}
+    assert len(modes) == 1, modes  # the weights as readable as the rest of RUN_DIR
+
+    def evaluated(folder, **change):
+        model = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+        assert model.pretrained_cfg["label_names"] == ["Dog", "ant", "cat", "zebra"]
+        config = {**resolve_data_config({}, model=model), **change}
+        images = ImageFolder(os.path.join(data, "val"), transform=create_transform(**config))
+        x = torch.stack([image for image, _ in images])
+        y = torch.tensor(images.targets)
         with torch.no_grad():
-            theirs = model(torch.from_numpy(x).permute(0, 3, 1, 2).contiguous()).numpy()
-        assert rel(theirs, ours) <= 1e-4, (path, rel(theirs, ours))
+            logits = model(x).double()
+        loss = torch.nn.functional.cross_entropy(logits, y).item()
+        return float((logits.argmax(1) == y).double().mean()), loss
+
+    for folder in (run_dir / "timm", run_dir / "timm_pth"):
+        top1, loss = evaluated(folder)
+        assert top1 == logged["top1"] and rel(loss, logged["loss"]) <= 1e-5, (top1, loss, logged)
+    _, bicubic = evaluated(run_dir / "timm", interpolation="bicubic")
+    assert rel(bicubic, logged["loss"]) > 1e-5, (bicubic, logged)  # control
 
 
 @pytest.mark.slow
@@ -569,9 +622,9 @@ def test_every_net_trains_exports_its_weights_to_timm_and_renders_a_tied_step(na
     as_written = [{k: np.asarray(v, np.float32).astype(np.float64) for k, v in state[d].items()}
                   for d in ("params", "buffers")]
     ours = program.eval_program(NETS[name], program.Setup(precision="f64"))(*as_written, x)
-    path = write_from_run(str(run))
-    model = timm.create_model(NETS[name].TIMM_NAME, num_classes=10, pretrained=True,  # strict
-                              pretrained_cfg_overlay=dict(file=path, num_classes=10))
+    folder, _ = write_from_run(str(run))
+    model = timm.create_model(f"local-dir:{folder}", pretrained=True)  # strict
+    assert model.pretrained_cfg["architecture"] == NETS[name].TIMM_NAME
     with torch.no_grad():
         theirs = model.eval().double()(torch.from_numpy(x).permute(0, 3, 1, 2).contiguous())
     assert rel(theirs.numpy(), ours) <= parity.LOGITS_BOUND["f64"]

@@ -48,7 +48,8 @@ EXAMPLES = {  # each command's example, the last line of its --help
     "train": "twinstep train mnv4_adamdp16 --data ./images --replicas 2 --res 64 --steps 300 "
              "--out run",
     "pack": "twinstep pack ./images --out ./images-packed",
-    "weights": "twinstep weights run --out model.safetensors",
+    "weights": "twinstep weights run   # then timm.create_model('local-dir:run/timm', "
+               "pretrained=True)",
     "plot": "twinstep plot run --out curves.png",
     "compare": "twinstep compare run-a run-b",
     "launch": "twinstep launch --local 2 -- train mnv4in_adamdp --data digits --replicas 4 "

@@ -38,8 +38,10 @@ def run(args, parser) -> int:
                                quality=args.quality, progress=lambda split, done, total: say(
                                    f"packing {split}: {done}/{total}"))
     for gone in manifest["left_out"]:
-        print(f"warning: {gone['path']} does not decode: left out", file=sys.stderr)
-    counts = ", ".join(f"{n} {s['count']} images in {len(s['shards'])} shards"
+        print(f"warning: {gone['split']} image {gone['path']} does not read "
+              f"({gone['reason']}): left out", file=sys.stderr)
+    counts = ", ".join(f"{n} {s['count']} images in {len(s['shards'])} shard"
+                       + ("s" if len(s["shards"]) != 1 else "")
                        for n, s in manifest["splits"].items())
     size = sum(sh["bytes"] for s in manifest["splits"].values() for sh in s["shards"])
     print(f"packed {args.folder} into {args.out}: {counts}, {size / 2**20:.1f} MiB; "

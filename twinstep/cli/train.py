@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import math
 import sys
+import textwrap
 import time
 
 from rich.console import Console
@@ -21,6 +22,7 @@ from rich.progress import (
 
 from twinstep.cli import options
 from twinstep.collectives import CONTROLS
+from twinstep.data.screen import CHECKS
 from twinstep.data.sources import LOADERS
 from twinstep.errors import ExitStatus
 from twinstep.ops.precision import NAMES as PRECISIONS
@@ -33,21 +35,31 @@ PROGRESS_EVERY_S = 30.0  # a plain progress line this often when stderr is not a
 def add(p) -> None:
     default = options.defaults(TrainConfig)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.description = (
+    p.description = textwrap.fill(
         "Train RECIPE's net with the recipe's whole train step — the program 'twinstep tie "
-        "--recipe' ties to the\nsingle device — on R replicas, every BatchNorm synchronised. "
-        "RUN_DIR gets config.json, metrics.jsonl,\ntb/ (TensorBoard) and checkpoints/; running "
-        "again with the same --out continues the run from its\nlatest checkpoint, bit for bit. "
-        "--data is 'digits' (bundled, no download) or an image folder\nDIR/train/<class>/..., "
-        "DIR/val/<class>/... read through timm's transforms (docs/training.md).\n\n"
-        + options.exits({ExitStatus.SUCCESS: "trained",
-                         ExitStatus.INTERNAL: "a non-finite loss (the last checkpoint stays), "
-                                              "or an internal or environment error"}))
+        "--recipe' ties to the single device — on R replicas, every BatchNorm synchronised. "
+        "RUN_DIR gets config.json, skipped.txt (the images that do not read), metrics.jsonl, "
+        "tb/ (TensorBoard), correct/ (each evaluation's per-image hits) and checkpoints/; "
+        "running again with the same --out continues the run from its latest checkpoint, bit "
+        "for bit. --data is 'digits' (bundled, no download) or an image folder "
+        "DIR/train/<class>/..., DIR/val/<class>/... read through timm's transforms "
+        "(docs/training.md).", 99) + "\n\n" + options.exits(
+            {ExitStatus.SUCCESS: "trained",
+             ExitStatus.INTERNAL: "a non-finite loss (the last checkpoint stays), or an internal "
+                                  "or environment error"})
     p.add_argument("recipe", help="a recipe name or preset ('twinstep recipe'); a dp recipe for "
                                   "--replicas > 1")
     p.add_argument("--data", default=default["data"], metavar="DIR|digits",
                    help=f"an image folder, or the embedded digits: 'digits', or 'builtin:digits' "
                         f"where a ./digits exists too (default {default['data']})")
+    p.add_argument("--val-split", type=float, metavar="F",
+                   help="a folder with train/ only: hold out the share F of its images (by a "
+                        "hash of each path: the same images everywhere) as the val split")
+    p.add_argument("--check-images", choices=CHECKS, default=default["check_images"],
+                   help="what is read of every image before the first step, to leave out "
+                        "those that do not read (named in RUN_DIR/skipped.txt): "
+                        + "; ".join(f"'{k}', {v}" for k, v in CHECKS.items())
+                        + f" (default {default['check_images']})")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="the run's folder (created)")
     options.replicas(p, default["replicas"],
                   f"replicas R (default {default['replicas']})", "R")
@@ -155,7 +167,7 @@ def run(args, parser) -> int:
     for weights, m in result.items():
         print(f"val ({weights}): top-1 {m['top1']:.2%} (95% interval {m['top1_low']:.1%}–"
               f"{m['top1_high']:.1%}), top-5 {m['top5']:.2%}, loss {m['loss']:.4f}")
-    print(f"run: {args.out} (metrics.jsonl, tb/, correct/, checkpoints/)")
+    print(f"run: {args.out} (metrics.jsonl, skipped.txt, tb/, correct/, checkpoints/)")
     return ExitStatus.SUCCESS
 
 

@@ -303,18 +303,18 @@ class Device:
         return canvases, np.asarray(labels, np.int32), np.asarray(skipped, np.int64), plans
 
     def val_rows(self, idx):
-        """(uint8 [n, E, E, 3], images skipped): timm's eval transform by Pillow of each image
-        as nvImageCodec decodes it."""
+        """(uint8 [n, E, E, 3], images skipped per row [n] int64): timm's eval transform by
+        Pillow of each image as nvImageCodec decodes it."""
         def make(data, size, stream):
             img = Image.fromarray(self.decoder.decode(data, stream))
             return transforms.eval_transform(img, self.eval_res, transforms.CROP_PCT)
 
-        rows, skipped = [], 0
+        rows, skipped = [], []
         for i in idx:
             row, _, tried = nvdecode.first_decoded(self.val, int(i), make)
             rows.append(row)
-            skipped += tried
-        return np.stack(rows), skipped
+            skipped.append(tried)
+        return np.stack(rows), np.asarray(skipped, np.int64)
 
     def val_kind(self) -> str:
         return folder.kind(self.val)

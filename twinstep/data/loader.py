@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from twinstep.data import batches, mix
+from twinstep.data import batches, mix, sources
 from twinstep.data import workers as workers_module
 from twinstep.data.sources import Augment, Source
 
@@ -39,7 +39,7 @@ class Batch(NamedTuple):
     box: np.ndarray  # [k, 4] int32: its CutMix box (y_lo, y_hi, x_lo, x_hi), empty for a blend
     plan: np.ndarray  # [k, rows, P] int32: the devices' work on each row (xs are canvases),
     # P = 0 where xs are the crops (`twinstep.data.sources.Source.train_rows`)
-    skipped: int  # images that did not decode, replaced by the next of their split
+    skipped: tuple  # train images (indices) that did not decode, replaced by the next
 
 
 def train_batch(src: Source, augment: Augment, *, seed: int, step: int, micro: int, rows: int,
@@ -50,7 +50,7 @@ def train_batch(src: Source, augment: Augment, *, seed: int, step: int, micro: i
     .local_rows`), each equal to its row of the whole batch."""
     idx = batches.indices(seed, step, micro * rows, len(src.train_labels)).reshape(micro, rows)
     own = np.arange(rows)[part if part is not None else slice(None)]
-    xs, labels, mixes, boxes, plans, skipped = [], [], [], [], [], 0
+    xs, labels, mixes, boxes, plans, skipped = [], [], [], [], [], ()
     for m in range(micro):
         x, y, sk, plan = src.train_rows(idx[m][own], seed, step, m * rows + own, augment)
         lam, box = 1.0, None
@@ -63,7 +63,7 @@ def train_batch(src: Source, augment: Augment, *, seed: int, step: int, micro: i
         mixes.append((np.float32(lam), np.float32(1.0 - lam)))
         boxes.append(box or (0, 0, 0, 0))
         plans.append(plan)
-        skipped += int(sk.sum())
+        skipped += sources.skipped_images(idx[m][own], sk, len(src.train_labels))
     return Batch(_stacked(xs), np.stack(labels), np.asarray(mixes, np.float32),
                  np.asarray(boxes, np.int32), _stacked(plans), skipped)
 
@@ -75,13 +75,15 @@ def _stacked(parts: list) -> np.ndarray:
 
 
 def val_batch(src, rows: int, b: int,
-              part: slice | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """The b-th eval batch of ``rows``: (x, labels, valid, images skipped); the last batch is
-    padded and masked (`twinstep.data.batches.eval_rows`). ``part``: only these rows."""
+              part: slice | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple]:
+    """The b-th eval batch of ``rows``: (x, labels, valid, val images (indices) skipped); the
+    last batch is padded and masked (`twinstep.data.batches.eval_rows`). ``part``: only these
+    rows."""
     idx, valid = batches.eval_rows(b, rows, len(src.val_labels))
     idx, valid = idx[part or slice(None)], valid[part or slice(None)]
     x, skipped = src.val_rows(idx)
-    return x, src.val_labels[idx], valid, skipped
+    return x, src.val_labels[idx], valid, sources.skipped_images(idx, skipped,
+                                                                  len(src.val_labels))
 
 
 def val_batch_count(src, rows: int) -> int:

@@ -81,7 +81,8 @@ def pack(root: str, out: str, *, max_side: int = MAX_SIDE, quality: int = QUALIT
         for i, (path, label) in enumerate(zip(split.paths, split.labels, strict=True)):
             img = folder.load(path)
             if img is None:
-                manifest["left_out"].append({"split": name, "path": path})
+                manifest["left_out"].append({"split": name, "path": path,
+                                             "reason": folder.problem(path) or "unreadable"})
                 continue
             if writer is None or count == shard_records:
                 if writer is not None:
@@ -119,8 +120,8 @@ class Split:
     """A packed split as `twinstep.data.folder.Split` reads: ``classes``, ``labels``,
     ``len()``, ``image(i)``. Its shards open on first use, in each process that reads them."""
 
-    def __init__(self, root: str, classes: tuple, entry: dict):
-        self.classes = classes
+    def __init__(self, root: str, classes: tuple, entry: dict, split: str):
+        self.root, self.classes, self.split = root, classes, split
         self.labels = np.load(os.path.join(root, entry["labels"]))
         self.shards = [os.path.join(root, s["file"]) for s in entry["shards"]]
         self._source = None
@@ -137,10 +138,34 @@ class Split:
             self._source = _records(self.shards)
         return self._source[i][_LABEL.size:]
 
-    def image(self, i: int) -> Image.Image:
-        img = Image.open(io.BytesIO(self.encoded(i)))
-        img.load()
-        return img if img.mode == "RGB" else img.convert("RGB")
+    def image(self, i: int) -> Image.Image | None:
+        """Image i in RGB, or None when its record does not decode (a shard damaged since)."""
+        try:
+            return _decoded(self.encoded(i))
+        except _UNDECODABLE:
+            return None
+
+    def name(self, i: int) -> str:
+        """Image i as a user finds it: its record in the packed folder."""
+        return f"{self.root}: {self.split} image {i}"
+
+    def problem(self, i: int, decode: bool = True) -> str | None:
+        """Why image i does not decode, None when it does (``decode``: always decoded; a
+        packed image's header was read when it was packed)."""
+        try:
+            _decoded(self.encoded(i))
+            return None
+        except _UNDECODABLE as e:
+            return (str(e).splitlines() or [""])[0] or type(e).__name__
+
+
+_UNDECODABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+
+
+def _decoded(data: bytes) -> Image.Image:
+    img = Image.open(io.BytesIO(data))
+    img.load()
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 
 def _records(shards: list[str]):
@@ -158,7 +183,7 @@ def open_splits(root: str, verify: bool = False) -> tuple[Split, Split]:
         if manifest.get("format") != FORMAT:
             raise ValueError(f"format {manifest.get('format')!r}, not {FORMAT!r}")
         classes = tuple(manifest["classes"])
-        splits = tuple(Split(root, classes, manifest["splits"][s]) for s in folder.SPLITS)
+        splits = tuple(Split(root, classes, manifest["splits"][s], s) for s in folder.SPLITS)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UsageError(f"--data {root}: not a packed folder ({e})") from None
     for split, name in zip(splits, folder.SPLITS, strict=True):

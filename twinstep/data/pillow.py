@@ -46,12 +46,12 @@ class Pillow:
         return None
 
     def val_rows(self, idx):
-        rows, skipped = [], 0
+        rows, skipped = [], []
         for i in idx:
             img, _, tried = self._decoded(self.val, int(i))
             rows.append(transforms.eval_transform(img, self.eval_res, transforms.CROP_PCT))
-            skipped += tried
-        return np.stack(rows), skipped
+            skipped.append(tried)
+        return np.stack(rows), np.asarray(skipped, np.int64)
 
     def val_kind(self) -> str:
         return folder.kind(self.val)

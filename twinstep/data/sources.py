@@ -54,19 +54,27 @@ class Source(Protocol):
         images skipped per row [n] int64, plans [n, P] int32 of the devices' work, P = 0
         where there is none) of dataset rows ``idx``, which are rows ``row_ids`` of step
         ``step``'s batch. An image that does not decode is replaced by the next one of its
-        split and counted."""
+        split and counted: a row that skipped t images skipped rows i, i + 1, ..., i + t - 1
+        (modulo the split's size; `skipped_images`)."""
 
     def layout(self, augment: Augment):
         """What a plan holds under ``augment`` (`twinstep.data.device.Layout`), None where the
         rows are the crops."""
 
-    def val_rows(self, idx: np.ndarray) -> tuple[np.ndarray, int]:
-        """(images [n, E, E, 3], images skipped) of val rows ``idx``."""
+    def val_rows(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(images [n, E, E, 3], images skipped per row [n] int64) of val rows ``idx``."""
 
     def val_kind(self) -> str:
         """What kind of val split this is, for pairing runs image by image
         (`twinstep.training.evaluation.val_fingerprint`): a folder and its packed copy share
         it."""
+
+
+def skipped_images(idx: np.ndarray, skipped: np.ndarray, size: int) -> tuple[int, ...]:
+    """The images of a split of ``size`` that rows ``idx`` skipped, ``skipped`` [n] of them
+    each: those from each row's index on, which the next that decodes replaced."""
+    return tuple(int(i + k) % size for i, t in zip(idx, skipped, strict=True)
+                 for k in range(int(t)))
 
 
 def no_plans(n: int) -> np.ndarray:
@@ -94,7 +102,7 @@ class Digits:
         return None
 
     def val_rows(self, idx):
-        return digits.split("val", self.eval_res)[0][idx], 0
+        return digits.split("val", self.eval_res)[0][idx], np.zeros(len(idx), np.int64)
 
     def val_kind(self) -> str:
         return DIGITS
@@ -161,9 +169,22 @@ def _format(data: str) -> Format:
     return found
 
 
-def open_splits(data: str) -> tuple | None:
-    """``data``'s (train, val) splits (a folder is scanned), None for the digits."""
-    return None if data == DIGITS else _format(data).splits(data)
+def open_splits(data: str, val_split: float | None = None) -> tuple | None:
+    """``data``'s (train, val) splits (a folder is scanned), None for the digits;
+    ``val_split``: a folder without val/ holds out this share of train/ as its val split
+    (`twinstep.data.folder.scan_both`)."""
+    if data == DIGITS:
+        if val_split is not None:
+            raise UsageError("--val-split holds images out of a folder's train/; the digits "
+                             "have their val split")
+        return None
+    found = _format(data)
+    if val_split is None:
+        return found.splits(data)
+    if found is not FORMATS["folder"]:
+        raise UsageError(f"--val-split holds images out of a folder's train/; --data {data} "
+                         f"is packed, with its val split")
+    return folder.scan_both(data, val_split)
 
 
 def train_size(data: str, splits: tuple | None = None) -> int:

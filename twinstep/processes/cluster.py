@@ -206,7 +206,15 @@ def total(values: np.ndarray) -> np.ndarray:
     """The element-wise sum of ``values`` over the processes (every process gets it)."""
     if count() == 1:
         return np.asarray(values)
-    return np.asarray(multihost_utils.process_allgather(np.asarray(values))).sum(0)
+    return each(values).sum(0)
+
+
+def each(values: np.ndarray) -> np.ndarray:
+    """Every process's ``values`` (of one shape in all), stacked [processes, ...] in process
+    order (every process gets it)."""
+    if count() == 1:
+        return np.asarray(values)[None]
+    return np.asarray(multihost_utils.process_allgather(np.asarray(values)))
 
 
 def barrier(name: str) -> None:

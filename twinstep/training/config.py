@@ -12,7 +12,7 @@ import os
 
 from twinstep import program, recipes
 from twinstep.collectives import CONTROLS, GRADIENT_ONLY_CONTROLS
-from twinstep.data import sources
+from twinstep.data import screen, sources
 from twinstep.defaults import WARMUP_LR
 from twinstep.errors import UsageError
 from twinstep.nets import get_net
@@ -22,8 +22,8 @@ from twinstep.rendering import reader
 # what must match for a RUN_DIR to be continued: anything else changes the trajectory (the
 # number of loader workers does not, nor the topology: R and N may change at the same R N, and
 # the recipe's name with N — its other fields must match, `check_run_dir`)
-RESUME_FIELDS = ("data", "res", "steps", "precision", "seed", "init_from", "randaugment",
-                 "mixup", "cutmix", "render", "loader", "control")
+RESUME_FIELDS = ("data", "val_split", "res", "steps", "precision", "seed", "init_from",
+                 "randaugment", "mixup", "cutmix", "render", "loader", "control")
 # what a render fixes, which a run with --render must give alike
 RENDER_FIELDS = ("recipe", "replicas", "batch", "res", "precision")
 AUGMENT_FIELDS = ("randaugment", "mixup", "cutmix")  # the recipe's, unless given
@@ -45,6 +45,8 @@ class TrainConfig:
     out: str
     _: dataclasses.KW_ONLY  # the rest by name
     data: str = "digits"  # or an image folder: DIR/train/<class>/..., DIR/val/<class>/...
+    val_split: float | None = None  # a folder with train/ only: hold out this share as val
+    check_images: str = screen.DEFAULT_CHECK  # screen.CHECKS: read before the first step
     replicas: int = 1
     batch: int | None = None  # per replica; None: the recipe's
     res: int | None = None  # None: DIGITS_RES on the digits, else the recipe's train res
@@ -99,7 +101,7 @@ class TrainConfig:
         if not 0 <= self.seed < 2**31:
             raise UsageError(f"--seed must be >= 0 and < 2^31, got {self.seed}")
         self._check_control()
-        object.__setattr__(self, "splits", sources.open_splits(self.data))
+        self._open_splits()
         self._choose_defaults(base)
         object.__setattr__(self, "_recipe", self._resolve(base))
         recipe = self.parsed_recipe()
@@ -113,6 +115,28 @@ class TrainConfig:
                              f"use a dp recipe for --replicas {self.replicas}")
         if self.render is not None:
             self._check_render()
+
+    def _open_splits(self) -> None:
+        """``splits``: the data's, less the images that do not read (``left_out``): screened now
+        (--check-images), or as the run in RUN_DIR left them out when it started."""
+        if self.val_split is not None and not 0 < self.val_split < 1:
+            raise UsageError(f"--val-split must be a fraction in (0, 1), e.g. 0.1, got "
+                             f"{self.val_split}")
+        if self.check_images not in screen.CHECKS:
+            raise UsageError(f"unknown --check-images {self.check_images!r}; choose from "
+                             f"{', '.join(screen.CHECKS)}")
+        splits = sources.open_splits(self.data, self.val_split)
+        known = (screen.read(self.out)
+                 if os.path.exists(os.path.join(self.out, "config.json")) else None)
+        if splits is None:
+            left_out = []
+        elif known is None:
+            splits, left_out = screen.screen(splits, self.check_images)
+        else:
+            left_out = [b for b in known if b.action == screen.LEFT_OUT]
+            splits = screen.without(splits, left_out)
+        object.__setattr__(self, "splits", splits)
+        object.__setattr__(self, "left_out", tuple(left_out))
 
     def _check_control(self) -> None:
         """--control: a whole step's negative control, on the Python step of R > 1 replicas."""
@@ -171,10 +195,27 @@ class TrainConfig:
         length = (f"{self.epochs} epochs = {self.steps:,} steps" if self.epochs is not None
                   else f"{self.steps:,} steps")
         data = ("the embedded digits" if self.data == sources.DIGITS
-                else os.path.abspath(self.data))
+                else f"{os.path.abspath(self.data)} ({len(self.splits[0]):,} train, "
+                     f"{len(self.splits[1]):,} val images" + (
+                         f"; {len(self.left_out)} left out, which do not read: "
+                         f"{os.path.join(self.out, screen.FILE)}" if self.left_out else "") + (
+                         f"; val held out by --val-split {self.val_split:g}"
+                         if self.val_split else "") + ")")
         return (f"{self.recipe} on {data}: train {self.res}²{src('res')}, eval "
                 f"{self.eval_res}²{src('eval_res')}, {length}{src('epochs', 'steps')}, "
-                f"N = {self.batch} x R = {self.replicas}, {self.precision}{src('precision')}")
+                f"N = {self.batch} x R = {self.replicas}, {self.precision}{src('precision')}"
+                + self._lr_note())
+
+    def _lr_note(self) -> str:
+        """Where the run's global batch is not the one its lr was published for: both, and the
+        lr timm's linear rule would give (not applied: the recipe's lr is the run's)."""
+        r = self.parsed_recipe()
+        published, global_batch = recipes.lr_batch(self.recipe, r), self.rows * r.accum
+        if published is None or published == global_batch:
+            return ""
+        return (f"; note: lr {r.lr:g} was published for a global batch of {published:,}, this "
+                f"run's is {global_batch:,} (timm's linear rule would give "
+                f"{r.lr * global_batch / published:.2g})")
 
     def _check_render(self) -> None:
         """The render's manifest (NAME.json beside it) against this run: a render fixes its

@@ -27,12 +27,13 @@ def eval_placement(replicas: int) -> tuple:
     return NamedSharding(mesh, dp.REPLICATED), NamedSharding(mesh, dp.BATCH)
 
 
-def evaluate(src, cfg, state, eval_fn) -> tuple[dict, dict]:
+def evaluate(src, cfg, state, eval_fn, met=None) -> tuple[dict, dict]:
     """(metrics, correct) of ``state`` for the run ``cfg`` (a `TrainConfig`) over the whole val
     split: metrics {"raw": {loss, top1, top1_low, top1_high, top5}, "ema": ...} (top-1's 95 %
     `interval`), correct {"raw": bool [n]: image i's top-1 is right, "ema": ...}. Sharded over
     the replicas (`eval_placement`), the last batch padded and masked so every image counts
-    once (an image that does not decode is replaced by the next, `twinstep.data.sources`). A
+    once (an image that does not decode is replaced by the next, `twinstep.data.sources`, and
+    told to ``met("val", indices)``). A
     process reads and scores its own replicas' rows; sums and hits are totalled over
     processes."""
     n = len(src.val_labels)
@@ -43,7 +44,10 @@ def evaluate(src, cfg, state, eval_fn) -> tuple[dict, dict]:
     placed = {w: weights[w] if cluster.count() > 1 else jax.device_put(weights[w], on_all)
               for w in names}  # with several processes the state is on the replicas already
     part = cluster.local_rows(cfg.rows)
-    for b, (x, y, valid, _) in enumerate(loader.val_stream(src, cfg.rows, cfg.workers, part)):
+    for b, (x, y, valid, skipped) in enumerate(loader.val_stream(src, cfg.rows, cfg.workers,
+                                                                 part)):
+        if met is not None:
+            met("val", skipped)
         images = batches.eval_rows(b, cfg.rows, n)[0][part][valid]
         x = cluster.global_array(x, by_rows, (cfg.rows, *x.shape[1:]))  # normalised there
         for name, (params, buffers) in placed.items():

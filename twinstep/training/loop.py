@@ -28,6 +28,7 @@ from twinstep.training import evaluation, state_dict
 from twinstep.training.checkpoint import Checkpoints
 from twinstep.training.config import TrainConfig, check_run_dir
 from twinstep.training.run_log import RunLog
+from twinstep.training.skipped import Skipped
 from twinstep.training.watchdog import Watchdog
 
 EVAL_PHASES = ("compiling the evaluation", "evaluating")  # the first evaluation compiles
@@ -39,9 +40,10 @@ class NonFinite(RuntimeError):
 
 def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     """Train; returns the last evaluation. ``progress(step, metrics)`` is told of every step and
-    of each evaluation as it starts (metrics["phase"]); ``warn(text)`` once of undecodable
-    images. With several processes (`twinstep.processes.cluster`) all run this together: each
-    loads its replicas' rows, process 0 alone writes the config and logs; all checkpoint."""
+    of each evaluation as it starts (metrics["phase"]); ``warn(text)`` of each image that does
+    not read, once (`twinstep.training.skipped`). With several processes
+    (`twinstep.processes.cluster`) all run this together: each loads its replicas' rows,
+    process 0 alone writes the config and logs; all checkpoint."""
     # --- set-up: the recipe, the data (a folder is scanned, and refused, before compiling),
     # RUN_DIR (read by every process before process 0 writes it), the programs
     recipe = cfg.parsed_recipe()
@@ -49,9 +51,14 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     src = sources.get_source(cfg.data, cfg.res, cfg.loader, cfg.eval_res, splits=cfg.splits)
     resuming = check_run_dir(cfg)
     cluster.barrier("run-dir-read")
+    # skipped.txt before config.json: a RUN_DIR with a config.json has the screen's list
+    bad = Skipped(cfg.out, cfg.splits, cfg.left_out, resuming=resuming,
+                  warn=warn or (lambda text: None), primary=cluster.is_primary())
     if cluster.is_primary():
         config = {**dataclasses.asdict(cfg), "chosen": cfg.chosen, "net": recipe.net,
-                  "classes": src.classes,
+                  "classes": src.classes, "class_names": (
+                      list(cfg.splits[0].classes) if cfg.splits else
+                      [str(k) for k in range(src.classes)]),
                   "train_images": len(src.train_labels), "val_images": len(src.val_labels),
                   "processes": cluster.count(), "resolved_recipe": dataclasses.asdict(recipe)}
         disk.publish({os.path.join(cfg.out, "config.json"): json.dumps(config, indent=1).encode()})
@@ -62,6 +69,7 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
     checkpoints = Checkpoints(cfg.out, cfg.keep, cfg.keep_every)
     state, start = _restored(state_dict.initial_state(cfg, net, prog, src.classes),
                              checkpoints, prog, resuming)
+    _say_finished(cfg, start)
 
     # --- the loop: step, log, evaluate, checkpoint. The host waits for the devices only at a
     # boundary (the first step; a log, eval or checkpoint step; the last): the next batch goes
@@ -72,17 +80,13 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
                                  micro=recipe.accum, rows=cfg.rows, workers=cfg.workers,
                                  part=cluster.local_rows(cfg.rows))
     say = progress if progress and cluster.is_primary() else (lambda step, metrics: None)
-    warn = warn or (lambda text: None)
-    last_eval, skipped, pending, t0 = {}, 0, [], time.perf_counter()
+    last_eval, pending, t0 = {}, [], time.perf_counter()
     record = dict(step=start, epoch=0.0, loss=math.nan, lr=math.nan, skipped=0, img_per_s=0.0)
     dog = Watchdog(cfg.stall_timeout, jax.process_index(), cluster.count())
     with _run_log(cfg.out, start) as log, checkpoints, contextlib.closing(stream), dog:
         for s, (batch, sk) in zip(range(start, cfg.steps), _ahead(stream, cfg), strict=True):
             done = s + 1
-            if sk and not skipped:
-                warn(f"step {done}: an image that does not decode was replaced by the next "
-                     f"one of its split (counted as 'skipped' in metrics.jsonl)")
-            skipped += sk
+            bad.met("train", sk)
             key = jax.random.fold_in(jax.random.key(cfg.seed), s)
             xs, ts = cluster.run_together(prepare, *batch)
             state, m = cluster.run_together(prog.step, state, xs, ts, key)
@@ -94,18 +98,21 @@ def run(cfg: TrainConfig, progress=None, warn=None) -> dict:
                 say(done, dict(record))
                 continue
             loss = _read_back(pending, checkpoints)
+            bad.name_new()  # the images met since the last read-back, gathered
             dog.progress(done)  # the devices have caught up: armed from the first step on
             if done == start + 1:
                 t0 = time.perf_counter()  # img/s from the first step's end
             record |= {"loss": loss, "lr": float(cluster.local_value(m["lr"])),
-                       "skipped": skipped, "img_per_s": (done - start - 1) * per_step
+                       "skipped": bad.count, "img_per_s": (done - start - 1) * per_step
                        / max(time.perf_counter() - t0, 1e-9)}
-            if logs:
-                log.train({**record, "skipped": int(cluster.total([skipped])[0])})
+            if logs or done == 1:  # the first step too: the warmup's start in the curves
+                log.train(record)
             if evals:
                 say(done, {**record, "phase": EVAL_PHASES[bool(last_eval)]})
                 with dog.paused(not last_eval):  # the first evaluation compiles
-                    last_eval, correct = evaluation.evaluate(src, cfg, state, eval_fn)
+                    last_eval, correct = evaluation.evaluate(src, cfg, state, eval_fn,
+                                                             met=bad.met)
+                bad.name_new()
                 log.eval(done, last_eval)
                 log.correct(done, correct, evaluation.val_fingerprint(src))
             if saves:
@@ -126,6 +133,14 @@ def _restored(state, checkpoints: Checkpoints, prog, resuming: bool) -> tuple:
         print(f"twinstep train: resumed from step {start}" + (
             "" if start else " (no checkpoint yet: from the start)"), flush=True)
     return state, start
+
+
+def _say_finished(cfg: TrainConfig, start: int) -> None:
+    """A run continued at its last step has nothing to run: it says so, once."""
+    if start == cfg.steps and cluster.is_primary():
+        print(f"twinstep train: {cfg.out} already finished at step {start}; its last weights "
+              f"are evaluated again (a longer run: another --out, or --init-from its "
+              f"weights)", flush=True)
 
 
 def _read_back(pending: list, checkpoints: Checkpoints) -> float:

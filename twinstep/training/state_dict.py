@@ -9,15 +9,14 @@
 A state dict here is {timm name: numpy array}; checkpoints that wrap it (``{"state_dict": …}``,
 ``{"model": …}``) are unwrapped, and ``num_batches_tracked`` counters are dropped on load.
 
-What a training run reads and writes through them: `initial_state` (timm's initialisation, or
-``--init-from``'s weights) and `write_from_run` (``twinstep weights RUN_DIR``).
+What a training run reads through them: `initial_state` (timm's initialisation, or
+``--init-from``'s weights); what ``twinstep weights RUN_DIR`` writes: `twinstep.training.export`.
 """
 
 from __future__ import annotations
 
 import collections
 import io
-import os
 import pickle
 import struct
 import zipfile
@@ -27,13 +26,13 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
+from safetensors.numpy import save as save_safetensors
 
 from twinstep.errors import UsageError
 from twinstep.nets import init, layers
 from twinstep.ops.precision import get_precision
 from twinstep.processes import disk
-from twinstep.training.checkpoint import FOLDER, load_state
 
 _STORAGES = {"FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
              "BFloat16Storage": ml_dtypes.bfloat16, "LongStorage": np.int64,
@@ -57,15 +56,21 @@ def load(path) -> dict:
 
 
 def save(path, state: dict) -> None:
-    """Write {name: array} as .safetensors or PyTorch .pth (by the suffix)."""
+    """Write {name: array} as .safetensors or PyTorch .pth (by the suffix), whole or not at all
+    (`twinstep.processes.disk.publish`)."""
+    disk.publish({str(path): encoded(path, state)})
+
+
+def encoded(path, state: dict) -> bytes:
+    """{name: array} as the bytes of a .safetensors or PyTorch .pth file (by ``path``'s
+    suffix)."""
     path = Path(path)
     arrays = {k: np.require(np.asarray(v), requirements="C") for k, v in state.items()}
     if path.suffix == ".safetensors":
-        save_file(arrays, str(path))
-    elif path.suffix in (".pth", ".pt"):
-        _save_pth(path, arrays)
-    else:
-        raise ValueError(f"{path}: use a .safetensors, .pth or .pt file name")
+        return save_safetensors(arrays)
+    if path.suffix in (".pth", ".pt"):
+        return _pth_bytes(path.stem, arrays)
+    raise ValueError(f"{path}: use a .safetensors, .pth or .pt file name")
 
 
 # ----------------------------------------------------------------------------- PyTorch reader
@@ -149,7 +154,7 @@ def _tensor_pickle(key: str, a: np.ndarray) -> bytes:
     return _global("torch._utils", "_rebuild_tensor_v2") + _tuple(args) + pickle.REDUCE
 
 
-def _save_pth(path: Path, arrays: dict) -> None:
+def _pth_bytes(prefix: str, arrays: dict) -> bytes:
     for name, a in arrays.items():
         if a.dtype not in _STORAGE_OF:
             raise TypeError(f"{name}: dtype {a.dtype} has no PyTorch storage type")
@@ -158,13 +163,14 @@ def _save_pth(path: Path, arrays: dict) -> None:
     for i, (name, a) in enumerate(arrays.items()):
         body += [_str(name), _tensor_pickle(str(i), a)]
     data = pickle.PROTO + b"\x02" + b"".join(body) + pickle.SETITEMS + pickle.STOP
-    prefix = path.stem
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
         z.writestr(f"{prefix}/data.pkl", data)
         z.writestr(f"{prefix}/byteorder", "little")
         for i, a in enumerate(arrays.values()):
             z.writestr(f"{prefix}/data/{i}", a.astype(a.dtype.newbyteorder("<")).tobytes())
         z.writestr(f"{prefix}/version", "3\n")
+    return out.getvalue()
 
 
 # ------------------------------------------------------------------------------- into a net
@@ -190,37 +196,6 @@ def to_net(net, state: dict, dtype=np.float32) -> tuple[dict, dict, int]:
     params = {n: np.asarray(state[n], dtype) for n in shapes}
     buffers = {n: np.asarray(state[n], dtype) for n in buffer_shapes}
     return params, buffers, k
-
-
-FORMATS = ("safetensors", "pth")
-
-
-def write_from_run(run_dir: str, fmt: str = "safetensors", ema: bool = False,
-                   out: str | None = None) -> str:
-    """Write RUN_DIR's latest weights — parameters and BN running statistics, or their EMA — as a
-    timm state dict (float32, timm's names) that ``timm.create_model(TIMM_NAME, num_classes=K,
-    pretrained=True, pretrained_cfg_overlay=dict(file=PATH, num_classes=K))`` loads (without K in
-    the overlay timm drops a classifier whose size is not its pretrained 1000). Returns the
-    path."""
-    if fmt not in FORMATS:
-        raise UsageError(f"unknown --format {fmt!r}; choose from {', '.join(FORMATS)}")
-    if not os.path.isdir(os.path.join(run_dir, FOLDER)):
-        raise UsageError(f"{run_dir}: no checkpoints/ here (a RUN_DIR of 'twinstep train')")
-    state = load_state(run_dir)
-    if ema:
-        if not state.get("ema"):
-            raise UsageError(f"{run_dir}: this run has no EMA (its recipe has no 'ema' token)")
-        averaged = state["ema"]
-        params, buffers = averaged if isinstance(averaged, (list, tuple)) else (
-            averaged["0"], averaged["1"])
-    else:
-        params, buffers = state["params"], state["buffers"]
-    path = out or os.path.join(run_dir, f"model{'_ema' if ema else ''}.{fmt}")
-    if not path.endswith("." + fmt):
-        raise UsageError(f"--out {path}: a .{fmt} file name for --format {fmt}")
-    disk.check_writable_file(path, "--out")
-    save(path, {k: np.asarray(v, np.float32) for k, v in {**params, **buffers}.items()})
-    return path
 
 
 def initial_state(cfg, net, prog, classes: int):
