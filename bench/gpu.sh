@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check, one script in four parts: `step`, twinstep's bf16 train step of each net at
+# The GPU check, one script in parts, and `lease`, what a lent GPU must measure in one command
+# (below, before `set -u`). The parts: `step`, twinstep's bf16 train step of each net at
 # 224² on one device (img/s, MFU; bench/gpu/step.py); `hlo`, whether XLA kept the bf16
 # convolutions bf16 (bench/gpu/bf16_hlo.py); `train`, `twinstep train` end to end on generated
 # JPEGs and their packed copy through Pillow (img/s, data vs step; bench/gpu/train.py);
@@ -11,6 +12,7 @@
 # from the newest bench/leases/*/autotune.tgz, and written to $OUT/autotune.tgz for the next
 # lease. Needs no network.
 #
+#   OUT=/tmp/lease bash bench/gpu.sh lease      # everything, in at most LEASE_DEADLINE=540 s
 #   bash bench/gpu.sh [step] [hlo] [train]      # default: these three; from the repository root
 #   NETS=mnv4 bash bench/gpu.sh step hlo        # any nets of twinstep.nets.NETS (default: resnet50 mnv4)
 #   bash bench/gpu.sh feed                      # about 8 minutes on its own
@@ -47,18 +49,46 @@
 # is set; their numbers (img/s and MFU per net, the bf16 check's verdict) belong under the
 # heading "## GPU" of bench/RESULTS.md, written there by hand: this script writes JSON only.
 # Exit: 0 ran, 1 a bf16 check failed, 2 no GPU, 3 environment error or a part failed.
+#
+# `lease` runs alone: what a lent GPU must measure, in one command under a deadline
+# (bench/gpu/lease.py): the device feed, ResNet-50's `twinstep train` against its bare step,
+# ResNet-50's step A/B of every candidate, then each net's step, each part under its own limit,
+# the whole within LEASE_DEADLINE seconds (default 540) of this script's start, installing
+# included; one summary table printed last, every file under $OUT (or bench/lease/). Exit: 0
+# every part ran, 1 a check failed, 2 no GPU or bad usage, 3 a part failed or the environment,
+# 4 a part was cut or skipped. LEASE_PARTS="ab nets" runs only those (a rerun: the rest of a
+# session's time); LEASE_TWIN=1 runs its CPU twin with $PY, no GPU (tiny shapes).
+# Its files, with $OUT/autotune.tgz, are committed as bench/leases/<date>-<card>/ (its first line
+# names the folder), and its candidates adopted or removed by the rule in bench/README.md.
 set -u
 parts=" ${*:-step hlo train} "
 for part in $parts; do
-    case $part in step | hlo | train | feed | profile) ;;
-        *) echo "gpu.sh: no part '$part' (step, hlo, train, feed, profile)" >&2; exit 2 ;; esac
+    case $part in step | hlo | train | feed | profile | lease) ;;
+        *) echo "gpu.sh: no part '$part' (step, hlo, train, feed, profile, lease)" >&2
+            exit 2 ;; esac
 done
+deadline=${LEASE_DEADLINE:-540}
+if [[ $parts == *" lease "* ]]; then
+    [ "$parts" = " lease " ] || { echo "gpu.sh: 'lease' runs alone (it holds the others)" >&2
+        exit 2; }
+    [[ $deadline =~ ^[0-9]+$ ]] && [ "$deadline" -gt 0 ] ||
+        { echo "gpu.sh: LEASE_DEADLINE must be seconds, not '$deadline'" >&2; exit 2; }
+fi
 # shellcheck disable=SC2206 # the nets are words
 nets=(${NETS:-resnet50 mnv4})
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 3
 PY=${PY:-python3}
 out=${OUT:-bench}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [ "${LEASE_TWIN:-}" = 1 ] && [ "$parts" = " lease " ]; then
+    # the lease's CPU twin: this machine's JAX as it is, nothing installed, no GPU
+    "$PY" -c 'import jax, twinstep.api' 2> /dev/null || {
+        echo "gpu.sh: $PY does not import JAX and twinstep (the twin: PY=.venv/bin/python)" >&2
+        exit 3; }
+    # shellcheck disable=SC2086 # the parts are words
+    exec "$PY" bench/gpu/lease.py --twin --out "${OUT:-bench/lease}" \
+        --deadline "$((deadline - SECONDS))" ${LEASE_PARTS:+--parts $LEASE_PARTS}
+fi
 # XLA's GPU flags: autotuned cuDNN convolutions (the default level), and the collective and
 # latency-hiding scheduler left as they are: one device has no collectives.
 export XLA_FLAGS=${XLA_FLAGS:---xla_gpu_autotune_level=4}
@@ -115,8 +145,8 @@ if [[ $parts == *" train "* ]]; then
         --paths pillow pillow-packed
     train=$?
 fi
-feed=0
-if [[ $parts == *" feed "* ]]; then
+# nvImageCodec and nvJPEG from ./.wheels where the machine has none (feed, lease)
+nvimgcodec() {
     if ! "$PY" -c 'import nvidia.nvimgcodec' 2>/dev/null && [ -d .wheels ]; then
         site=${site:-$(mktemp -d)}
         # shellcheck disable=SC2046 # the wheels are words
@@ -124,7 +154,23 @@ if [[ $parts == *" feed "* ]]; then
             $(find .wheels -name 'nvidia_nvimgcodec*.whl' -o -name 'nvidia_nvjpeg-*.whl') &&
             export PYTHONPATH=$PYTHONPATH:$site
     fi
-    if "$PY" -c 'import nvidia.nvimgcodec' 2>/dev/null; then
+    "$PY" -c 'import nvidia.nvimgcodec' 2>/dev/null
+}
+if [ "$parts" = " lease " ]; then
+    nvimgcodec || echo "gpu.sh: nvImageCodec does not import here: no device feed" >&2
+    # what is left of the deadline after the install (at least 1 s: then every part is
+    # skipped, and said so); the autotuning results are copied after
+    left=$((deadline - SECONDS))
+    # shellcheck disable=SC2086 # the parts are words
+    "$PY" bench/gpu/lease.py --out "${OUT:-bench/lease}" --deadline "$((left > 0 ? left : 1))" \
+        ${LEASE_PARTS:+--parts $LEASE_PARTS}
+    lease=$?
+    [ -n "${OUT:-}" ] && tar -czf "$OUT/autotune.tgz" -C bench autotune 2> /dev/null
+    exit "$lease"
+fi
+feed=0
+if [[ $parts == *" feed "* ]]; then
+    if nvimgcodec; then
         export XLA_PYTHON_CLIENT_MEM_FRACTION=0.6
         timeout 200 "$PY" bench/gpu/feed.py --json "$out/gpu_feed.json"
         feed=$?

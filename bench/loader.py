@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -63,6 +64,30 @@ def write_folder(root: str, images: int) -> None:
             os.makedirs(folder, exist_ok=True)
             Image.fromarray(rgb.clip(0, 255).astype(np.uint8)).save(
                 os.path.join(folder, f"{i}.jpg"), quality=90)
+
+
+def ensure_folder(root: str, images: int) -> bool:
+    """`write_folder` at ``root`` unless one is there already (then kept as it is, whatever its
+    size): written beside it and renamed, so a run cut while writing leaves none half-made.
+    Whether it wrote one."""
+    if os.path.isdir(root):
+        return False
+    part = f"{root}.part"
+    shutil.rmtree(part, ignore_errors=True)
+    write_folder(part, images)
+    os.rename(part, root)
+    return True
+
+
+def ensure_packed(folder: str, packed: str) -> None:
+    """The packed copy of ``folder`` (`twinstep pack`) at ``packed`` unless there already, made
+    whole beside it and renamed, as `ensure_folder`."""
+    from twinstep import api
+
+    if not os.path.isdir(packed):
+        shutil.rmtree(f"{packed}.part", ignore_errors=True)
+        api.pack(folder, f"{packed}.part")
+        os.rename(f"{packed}.part", packed)
 
 
 def twinstep_batches(root: str, workers: int, randaugment: bool, steps: int,

@@ -16,11 +16,14 @@ RandAugment m9 and mixup / CutMix:
                 same program fed finished crops (the Pillow path's), so the difference is the
                 resize and RandAugment
 
-Writes JSON (--json). On a machine without a GPU it runs too, as its CPU twin (small --res and
---batch): there the devices are the same cores as the host.
+Writes JSON (--json), again after each part, so a run cut short keeps what it measured. With
+--data DIR the JPEGs are DIR's (written there first when it is missing, and DIR-packed beside
+it), for another script to reuse (bench/gpu/lease.py passes the same DIR to train.py). On a
+machine without a GPU it runs too, as its CPU twin (small --res and --batch): there the devices
+are the same cores as the host.
 
     python bench/gpu/feed.py [--res 224] [--batch 256] [--images 1024] [--workers W]
-                             [--json bench/gpu_feed.json]
+                             [--data DIR] [--json bench/gpu_feed.json]
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.loader import write_folder
+from bench.loader import ensure_folder, ensure_packed
 
 RANDAUGMENT, MIXUP, CUTMIX = 9, 0.2, 1.0
 
@@ -122,33 +125,42 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--workers", type=int, default=os.cpu_count(),
                    help="loader processes (default: every core)")
+    p.add_argument("--data", help="the JPEG folder (written there when missing); default: a "
+                   "temporary one")
     p.add_argument("--json", default=str(Path(__file__).resolve().parents[1] / "gpu_feed.json"))
     args = p.parse_args()
     import jax
 
-    from twinstep import api
-
     gpu = jax.default_backend() == "gpu"
     results = {"device": jax.devices()[0].device_kind, "res": args.res, "batch": args.batch,
                "workers": args.workers, "cpus": os.cpu_count()}
+
+    def write():  # after each part: a run cut by its time limit keeps what it measured
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
     with tempfile.TemporaryDirectory() as tmp:
-        folder, packed = os.path.join(tmp, "folder"), os.path.join(tmp, "packed")
-        write_folder(folder, args.images)
-        api.pack(folder, packed)
+        folder = args.data or os.path.join(tmp, "folder")
+        packed = f"{folder}-packed"
+        t0 = time.perf_counter()
+        ensure_folder(folder, args.images)
+        ensure_packed(folder, packed)
+        results["jpegs_s"] = time.perf_counter() - t0
         results |= decode_rates(folder, gpu)
+        write()
         for name, data, kind in (("host", folder, "device"), ("host packed", packed, "device"),
                                  ("pillow", folder, "pillow")):
             results[name] = host_rate(data, kind, args.res, args.batch, args.workers,
                                       args.steps)
             print(f"gpu_feed: {name:12s} {results[name]:8.0f} img/s on {args.workers} workers",
                   flush=True)
+            write()
         results |= device_rates(folder, args.res, args.batch, args.repeats)
     for key, value in results.items():
-        if isinstance(value, float):
+        if isinstance(value, float) and key != "jpegs_s":
             print(f"gpu_feed: {key:22s} {value:8.0f} img/s", flush=True)
     print(f"gpu_feed: batch decode vs libjpeg-turbo: {results['batch_vs_libjpeg']} |Δ| levels",
           flush=True)
-    Path(args.json).write_text(json.dumps(results, indent=1))
+    write()
     return 0
 
 

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twinstep import program, recipes
+from twinstep import dp, program, recipes
 from twinstep.nets import NETS, get_net, init
 from twinstep.ops.levers import Levers
 from twinstep.rendering import render, stablehlo
@@ -125,7 +125,9 @@ def run_net(net_name: str, args, res: int) -> dict:
     else:
         batch, memory = largest_batch(net_name, res, args.classes, args.probe,
                                       args.memory_fraction, args.max_batch)
-    compiled, call_args, macs = build(net_name, batch, res, args.classes)
+    # the CPU twin (lease.py --twin) compiles at XLA:CPU's -O0: it runs the code, fast
+    compiled, call_args, macs = build(net_name, batch, res, args.classes,
+                                      dp.FAST_COMPILE if args.cpu_twin else None)
     compile_s = time.perf_counter() - t0
     times, _ = time_steps(compiled, call_args, args.steps)
     step_s = statistics.median(times)
@@ -156,8 +158,9 @@ def main(argv=None) -> int:
                    help="also each net at its recipe's own train resolution")
     p.add_argument("--json", type=Path,
                    default=Path(__file__).resolve().parents[1] / "gpu_step.json")
+    p.add_argument("--cpu-twin", action="store_true", help=argparse.SUPPRESS)  # lease.py --twin
     args = p.parse_args(argv)
-    if render.local_platform() not in ("cuda", "rocm"):
+    if render.local_platform() not in ("cuda", "rocm") and not args.cpu_twin:
         print(f"no GPU: JAX runs on {jax.default_backend()}", file=sys.stderr)
         return 2
     rows, failed = [], 0
