@@ -130,6 +130,9 @@ def test_training_progress_without_a_terminal_is_a_plain_line_every_s_seconds():
     for step in (1, 2, 3):
         update(step, m)
     assert [line.split()[1] for line in last.getvalue().splitlines()] == ["1/3", "3/3"]
+    first = io.StringIO()  # the first step of a run or a resumed one has no rate yet
+    plain_progress(3, 30.0, first, clock=lambda: 0.0)(1, {**m, "img_per_s": 0.0})
+    assert "lr 0.001  - img/s  ETA -" in first.getvalue(), first.getvalue()
     silent = io.StringIO()
     plain_progress(3, 0, silent, clock=lambda: 0.0)(1, m)
     assert silent.getvalue() == ""

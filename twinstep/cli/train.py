@@ -195,8 +195,10 @@ def plain_progress(total: int, every_s: float, out=None, clock=time.monotonic):
         seen["last"] = now
         rate = (step - seen["step0"]) / max(now - seen["t0"], 1e-9)
         eta = (total - step) / rate if rate > 0 else math.inf
+        # img/s counts from the first step's end: none yet at that step ("-")
+        speed = f"{m['img_per_s']:.0f}" if m["img_per_s"] > 0 else "-"
         print(f"step {step}/{total}  epoch {m['epoch']:.2f}  loss {m['loss']:.4g}  "
-              f"lr {m['lr']:.3g}  {m['img_per_s']:.0f} img/s  ETA {_eta(eta)}",
+              f"lr {m['lr']:.3g}  {speed} img/s  ETA {_eta(eta)}",
               file=out or sys.stdout, flush=True)
 
     return update
