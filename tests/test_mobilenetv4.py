@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from oracle_libs import timm, torch
+from timm_handover import masked_timm
 
 from twinstep.checking import parity
 from twinstep.dp import compiler_options
@@ -186,32 +187,10 @@ def _compiled(res, n, masked):
     return jax.jit(_step).lower(*_args(res, n, masked, "ce")).compile(_fast())
 
 
-def timm_model(params, buffers, dtype=None, drop_path=None, dropout=None):
-    """timm's model (float64 unless ``dtype``) with our weights; our masks in place of its
-    DropPath and classifier dropout."""
-
-    class _MaskMul(torch.nn.Module):
-        """timm's DropPath replaced by multiplication with OUR per-example mask (train mode)."""
-
-        def __init__(self, mask):
-            super().__init__()
-            self.mask = mask
-
-        def forward(self, x):
-            return x * self.mask.view(-1, 1, 1, 1) if self.training else x
-
-    dtype = dtype or torch.float64
-    model = parity.to_timm(net, params, buffers, K).to(dtype)
-    if drop_path is not None:
-        for prefix, mask in zip(net.DROP_PATH_SITES, drop_path, strict=True):
-            block = model.get_submodule(prefix)
-            assert block.has_skip
-            block.drop_path = _MaskMul(torch.tensor(mask, dtype=dtype))
-    if dropout is not None:
-        tmask = torch.tensor(dropout, dtype=dtype)
-        model.classifier.register_forward_pre_hook(
-            lambda m, args: (args[0] * tmask,) if m.training else args)
-    return model
+def timm_model(params, buffers, dtype: str = "float64", drop_path=None, dropout=None):
+    """timm's model with our weights; our masks in place of its DropPath and classifier
+    dropout (`timm_handover.masked_timm`)."""
+    return masked_timm(net, params, buffers, K, drop_path, dropout, dtype)
 
 
 @functools.cache
@@ -388,7 +367,7 @@ def test_timm_parity_float32():
 
     z, ez = logits(p32, b32, x.astype(np.float32))
     assert z.dtype == jnp.float32
-    model = timm_model(p32, b32, torch.float32)
+    model = timm_model(p32, b32, "float32")
     tx = torch.tensor(x.transpose(0, 3, 1, 2), dtype=torch.float32)
     with torch.no_grad():
         tez = model.eval()(tx).numpy()  # first: a train forward moves the running statistics

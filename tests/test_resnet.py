@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from oracle_libs import timm, torch
+from timm_handover import masked_timm
 
 from twinstep import dp
 from twinstep.checking import cases, oracle, parity
@@ -162,21 +163,10 @@ def test_drop_path_and_dropout_masks_act_where_timms_do():
 
     logits, grads = dp.jit(ours, True)(params)
 
-    class MaskMul(torch.nn.Module):
-        def __init__(self, mask):
-            super().__init__()
-            self.mask = torch.tensor(np.asarray(mask))
-
-        def forward(self, y):
-            return y * self.mask.view(-1, 1, 1, 1)
-
-    def timms(site_shift: int = 0, row_shift: int = 0):
-        model = parity.to_timm(net, params, buffers, K).train()
-        drop_path = np.roll(np.asarray(kw["drop_path"]), site_shift, 0)
-        for prefix, mask in zip(net.DROP_PATH_SITES, drop_path, strict=True):
-            model.get_submodule(prefix).drop_path = MaskMul(mask)
-        tmask = torch.tensor(np.roll(np.asarray(kw["dropout"]), row_shift, 0))
-        model.fc.register_forward_pre_hook(lambda m, args: (args[0] * tmask,))
+    def timms(site_shift: int = 0, row_shift: int = 0):  # shifted: the controls
+        model = masked_timm(net, params, buffers, K,
+                            np.roll(np.asarray(kw["drop_path"]), site_shift, 0),
+                            np.roll(np.asarray(kw["dropout"]), row_shift, 0)).train()
         z = model(torch.tensor(x.transpose(0, 3, 1, 2)))
         (-(torch.tensor(q) * torch.log_softmax(z, -1)).sum(-1).mean()).backward()
         return z.detach().numpy(), {k: v.grad.numpy() for k, v in model.named_parameters()}

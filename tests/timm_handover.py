@@ -71,6 +71,38 @@ def hand_masks(model, recipe, rows: int, step: int, micro: int) -> None:
         model.twinstep_dropout.mask = masks["dropout"]
 
 
+def masked_timm(net, params, buffers, classes: int, drop_path=None, dropout=None,
+                dtype: str = "float64"):
+    """timm's model of ``net`` with twinstep's weights (`twinstep.checking.parity.to_timm`, in
+    ``dtype``) and twinstep's masks in place of timm's draws, in train mode: ``drop_path``
+    [sites, rows] multiplies each residual block's branch (`net.DROP_PATH_SITES`), ``dropout``
+    [rows, features] the classifier's input. The oracle half of the nets' mask tests."""
+    from twinstep.checking import parity
+
+    class MaskMul(torch.nn.Module):
+        """timm's DropPath as a multiplication by twinstep's per-row mask (train mode)."""
+
+        def __init__(self, mask):
+            super().__init__()
+            self.mask = mask
+
+        def forward(self, x):
+            return x * self.mask.view(-1, 1, 1, 1) if self.training else x
+
+    kind = getattr(torch, dtype)
+    model = parity.to_timm(net, params, buffers, classes, dtype=dtype)
+    for prefix, mask in zip(net.DROP_PATH_SITES, drop_path, strict=True) if (
+            drop_path is not None) else ():
+        block = model.get_submodule(prefix)
+        assert getattr(block, "has_skip", True), prefix  # a site is a residual block's branch
+        block.drop_path = MaskMul(torch.tensor(np.asarray(mask), dtype=kind))
+    if dropout is not None:
+        tmask = torch.tensor(np.asarray(dropout), dtype=kind)
+        model.get_classifier().register_forward_pre_hook(
+            lambda m, args: (args[0] * tmask,) if m.training else args)
+    return model
+
+
 MOMENTS = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer"}  # optax's: torch's
 
 
