@@ -399,6 +399,8 @@ def test_a_packed_folder_trains_as_its_folder_does(tmp_path, capsys):
     assert min(train.image(0).size) == 24  # 30 x 26 brought down to a short side of 24
     src = sources.get_source(out, 16)
     assert isinstance(src.train, packed.Split) and sources.train_size(out) == 11
+    with pytest.raises(UsageError, match="is packed, with its val split"):
+        sources.open_splits(out, val_split=0.1)
     augment = sources.Augment(randaugment=9, mix=mix.MixParams(0.2, 1.0))
     alone = list(loader.train_stream(src, augment, seed=7, start=0, stop=3, micro=2, rows=4,
                                      workers=0))

@@ -265,14 +265,22 @@ def _exported_weights_evaluate_in_timm_as_in_twinstep(run_dir, data: str):
     """`twinstep weights` (both formats) writes a timm model folder that timm loads by itself
     ('local-dir:'), whose config makes timm's own eval transform over the val images give the
     run's last evaluation: the same top-1, the loss to f32 precision (1e-5 relative). Control:
-    the same with timm's default resize for a net, bicubic, moves the loss past that bound."""
+    the same with timm's default resize for a net, bicubic, moves the loss past that bound.
+    The state dict alone loads too (`pretrained_cfg_overlay`), its eval logits twinstep's to
+    f32 precision (1e-4 relative); a K-class classifier included."""
     import timm
     import torch
     from timm.data import create_transform, resolve_data_config
     from torchvision.datasets import ImageFolder
 
+    from twinstep import program
     from twinstep.checking.bounds import rel
     from twinstep.training import export
+
+    net, state = get_net(RUN_NET), load_state(run_dir)
+    classes = json.loads((run_dir / "config.json").read_text())["classes"]
+    x = digits.split("val", 32)[0][:16]
+    ours = program.eval_program(net)(state["params"], state["buffers"], x)
 
     logged = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["eval"]["raw"]
     done = subprocess.run([sys.executable, "-m", "twinstep.cli", "weights", str(run_dir)],
@@ -301,6 +309,13 @@ def _exported_weights_evaluate_in_timm_as_in_twinstep(run_dir, data: str):
     for folder in (run_dir / "timm", run_dir / "timm_pth"):
         top1, loss = evaluated(folder)
         assert top1 == logged["top1"] and rel(loss, logged["loss"]) <= 1e-5, (top1, loss, logged)
+        path = next(str(folder / f) for f in export.FILES.values() if (folder / f).exists())
+        model = timm.create_model(net.TIMM_NAME, num_classes=classes, pretrained=True,
+                                  pretrained_cfg_overlay=dict(file=path,
+                                                              num_classes=classes)).eval()
+        with torch.no_grad():
+            theirs = model(torch.from_numpy(x).permute(0, 3, 1, 2).contiguous()).numpy()
+        assert rel(theirs, ours) <= 1e-4, (path, rel(theirs, ours))
     _, bicubic = evaluated(run_dir / "timm", interpolation="bicubic")
     assert rel(bicubic, logged["loss"]) > 1e-5, (bicubic, logged)  # control
 

@@ -49,17 +49,7 @@ def add(p) -> None:
                                   "or environment error"})
     p.add_argument("recipe", help="a recipe name or preset ('twinstep recipe'); a dp recipe for "
                                   "--replicas > 1")
-    p.add_argument("--data", default=default["data"], metavar="DIR|digits",
-                   help=f"an image folder, or the embedded digits: 'digits', or 'builtin:digits' "
-                        f"where a ./digits exists too (default {default['data']})")
-    p.add_argument("--val-split", type=float, metavar="F",
-                   help="a folder with train/ only: hold out the share F of its images (by a "
-                        "hash of each path: the same images everywhere) as the val split")
-    p.add_argument("--check-images", choices=CHECKS, default=default["check_images"],
-                   help="what is read of every image before the first step, to leave out "
-                        "those that do not read (named in RUN_DIR/skipped.txt): "
-                        + "; ".join(f"'{k}', {v}" for k, v in CHECKS.items())
-                        + f" (default {default['check_images']})")
+    _data_options(p, default)
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="the run's folder (created)")
     options.replicas(p, default["replicas"],
                   f"replicas R (default {default['replicas']})", "R")
@@ -117,6 +107,21 @@ def add(p) -> None:
                         f"seconds instead of the bar (default {PROGRESS_EVERY_S:g}; 0: none)")
     options.cluster(p)
 
+
+
+def _data_options(p, default: dict) -> None:
+    """What the run reads: --data, --val-split, --check-images."""
+    p.add_argument("--data", default=default["data"], metavar="DIR|digits",
+                   help=f"an image folder, or the embedded digits: 'digits', or 'builtin:digits' "
+                        f"where a ./digits exists too (default {default['data']})")
+    p.add_argument("--val-split", type=float, metavar="F",
+                   help="a folder with train/ only: hold out the share F of its images (by a "
+                        "hash of each path: the same images everywhere) as the val split")
+    p.add_argument("--check-images", choices=CHECKS, default=default["check_images"],
+                   help="what is read of every image before the first step, to leave out "
+                        "those that do not read (named in RUN_DIR/skipped.txt): "
+                        + "; ".join(f"'{k}', {v}" for k, v in CHECKS.items())
+                        + f" (default {default['check_images']})")
 
 
 def _loader_options(p, default: dict) -> None:

@@ -26,6 +26,8 @@ from PIL import Image
 
 from twinstep.errors import UsageError
 
+# what Pillow raises for a file it cannot read or decode
+UNDECODABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SPLITS = ("train", "val")
 
@@ -164,13 +166,16 @@ def problem(path: str, decode: bool = True) -> str | None:
         if os.path.getsize(path) == 0:
             return "an empty file"
         return "not an image Pillow can identify"
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        return _first_line(e, path)
+    except UNDECODABLE as e:
+        return reason(e, path)
 
 
-def _first_line(e: BaseException, path: str) -> str:
-    text = (str(e).splitlines() or [""])[0].replace(repr(path), "").replace(path, "").strip()
-    return text or type(e).__name__
+def reason(e: BaseException, path: str | None = None) -> str:
+    """Pillow's error ``e`` in a few words: its first line, without ``path``, else its type."""
+    text = (str(e).splitlines() or [""])[0]
+    if path:
+        text = text.replace(repr(path), "").replace(path, "")
+    return text.strip() or type(e).__name__
 
 
 def load(path: str) -> Image.Image | None:
@@ -183,5 +188,5 @@ def load(path: str) -> Image.Image | None:
                 img.load()
                 # convert() copies even an RGB image: a third of a decode's time, saved
                 return img if img.mode == "RGB" else img.convert("RGB")
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+    except UNDECODABLE:
         return None

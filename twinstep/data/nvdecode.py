@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from PIL import Image
 
-from twinstep.data import transforms
+from twinstep.data import folder, transforms
 from twinstep.errors import BackendError, UsageError
 
 EOI = b"\xff\xd9"  # a JPEG's end-of-image marker
@@ -68,7 +68,7 @@ class Decoder:
         try:
             with Image.open(io.BytesIO(data)) as img:
                 rgb = np.asarray(transforms.to_rgb(img), np.uint8)
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        except folder.UNDECODABLE as e:
             raise Undecodable from e
         if box is None:
             return rgb
@@ -122,7 +122,7 @@ def header(data: bytes):
     try:  # another format or mode: Pillow's, as the Pillow path reads it
         with Image.open(io.BytesIO(data)) as img:
             return img.size, None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+    except folder.UNDECODABLE:
         return None
 
 

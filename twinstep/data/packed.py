@@ -142,7 +142,7 @@ class Split:
         """Image i in RGB, or None when its record does not decode (a shard damaged since)."""
         try:
             return _decoded(self.encoded(i))
-        except _UNDECODABLE:
+        except folder.UNDECODABLE:
             return None
 
     def name(self, i: int) -> str:
@@ -155,11 +155,8 @@ class Split:
         try:
             _decoded(self.encoded(i))
             return None
-        except _UNDECODABLE as e:
-            return (str(e).splitlines() or [""])[0] or type(e).__name__
-
-
-_UNDECODABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+        except folder.UNDECODABLE as e:
+            return folder.reason(e)
 
 
 def _decoded(data: bytes) -> Image.Image:
@@ -174,9 +171,14 @@ def _records(shards: list[str]):
     return ArrayRecordDataSource(shards)
 
 
-def open_splits(root: str, verify: bool = False) -> tuple[Split, Split]:
+def open_splits(root: str, verify: bool = False,
+                val_split: float | None = None) -> tuple[Split, Split]:
     """(train, val) of the packed folder ``root`` (UsageError, one line, when it is not one;
-    ``verify``: every shard's sha256 against the manifest's too)."""
+    ``verify``: every shard's sha256 against the manifest's too). A packed folder has its val
+    split: a ``val_split`` is refused."""
+    if val_split is not None:
+        raise UsageError(f"--val-split holds images out of a folder's train/; --data {root} "
+                         f"is packed, with its val split")
     try:
         with open(os.path.join(root, MANIFEST)) as f:
             manifest = json.load(f)

@@ -49,13 +49,11 @@ def screen(splits: tuple, check: str) -> tuple[tuple, list[Bad]]:
     if check == "none" or not isinstance(splits[0], folder.Split):
         return splits, []
     decode = check == "decode"
-    bad, total, done, t0 = [], sum(len(s) for s in splits), 0, time.monotonic()
-    last = t0
+    bad, total, done, last = [], sum(len(s) for s in splits), 0, time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(_THREADS) as pool:
         for name, split in zip(folder.SPLITS, splits, strict=True):
             for path, why in zip(split.paths, pool.map(
-                    lambda p: folder.problem(p, decode), split.paths, chunksize=64),
-                    strict=True):
+                    lambda p: folder.problem(p, decode), split.paths), strict=True):
                 done += 1
                 if why is not None:
                     bad.append(Bad(name, LEFT_OUT, why, path))

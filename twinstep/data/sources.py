@@ -109,7 +109,8 @@ class Digits:
 
 
 class Format(NamedTuple):
-    """A dataset format: whether a ``--data`` path is one, and its (train, val) splits — each
+    """A dataset format: whether a ``--data`` path is one, and its (train, val) splits
+    (``splits(path, val_split=None)``, the format refusing a --val-split it cannot hold) — each
     with ``classes``, ``labels``, ``len()``, ``image(i)`` (PIL, or None when it does not decode)
     and ``encoded(i)`` (the file's bytes)."""
 
@@ -178,13 +179,7 @@ def open_splits(data: str, val_split: float | None = None) -> tuple | None:
             raise UsageError("--val-split holds images out of a folder's train/; the digits "
                              "have their val split")
         return None
-    found = _format(data)
-    if val_split is None:
-        return found.splits(data)
-    if found is not FORMATS["folder"]:
-        raise UsageError(f"--val-split holds images out of a folder's train/; --data {data} "
-                         f"is packed, with its val split")
-    return folder.scan_both(data, val_split)
+    return _format(data).splits(data, val_split=val_split)
 
 
 def train_size(data: str, splits: tuple | None = None) -> int:
