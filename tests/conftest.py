@@ -125,16 +125,27 @@ def rng():
     return np.random.default_rng(20261129)
 
 
+def _release() -> None:
+    jax.clear_caches()
+    tie.single_side.cache_clear()  # a tie's inputs and single-device results
+    gc.collect()
+    _LIBC.malloc_trim(0)  # hand the freed heap back: a worker's RSS would stay at its peak
+
+
+@pytest.fixture
+def release_memory():
+    """What `_release_compiled_programs` does after a test, for a test to call between two
+    heavy phases (its own references to their results dropped first)."""
+    return _release
+
+
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
     """Drop JAX's compiled executables after each test: the suite compiles hundreds of
     whole-network programs, and kept alive together they outgrow a 24 GiB CI machine. (With the
     persistent compilation cache that `make test` sets up, a program compiled again is loaded.)"""
     yield
-    jax.clear_caches()
-    tie.single_side.cache_clear()  # a tie's inputs and single-device results
-    gc.collect()
-    _LIBC.malloc_trim(0)  # hand the freed heap back: a worker's RSS would stay at its peak
+    _release()
     loaded = {lib for lib in FREEZE_AFTER if lib in sys.modules}
     if loaded - _FROZEN:  # the oracle's libraries came in with this test: frozen with them is
         _FROZEN.update(loaded)  # what outlived its collection (once per library and worker)
