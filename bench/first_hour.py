@@ -89,18 +89,17 @@ def skipped_series(run: Path) -> list[tuple[int, int]]:
     return [(r["step"], r["skipped"]) for r in metrics(run) if "skipped" in r]
 
 
-def timm_scores(export: Path, val: Path, interpolation: str | None = None) -> tuple[float, float]:
-    """(top-1, mean loss) of the exported model over ``val`` with timm's resolve_data_config and
-    create_transform (the export's own config, or it with ``interpolation``)."""
+def timm_scores(export: Path, val: str | Path, **change) -> tuple[float, float, list]:
+    """(top-1, mean loss, the model's label_names) of the exported model folder over the image
+    folder ``val`` with timm's resolve_data_config and create_transform: the export's own config,
+    or it with ``change`` (``interpolation="bicubic"``). Also tests/test_train.py's."""
     import timm
     import torch
     from timm.data import create_transform, resolve_data_config
     from torchvision.datasets import ImageFolder
 
     model = timm.create_model(f"local-dir:{export}", pretrained=True).eval()
-    cfg = resolve_data_config({}, model=model)
-    if interpolation:
-        cfg["interpolation"] = interpolation
+    cfg = {**resolve_data_config({}, model=model), **change}
     loader = torch.utils.data.DataLoader(ImageFolder(str(val), create_transform(**cfg)),
                                          batch_size=100)
     n = correct = 0
@@ -110,7 +109,7 @@ def timm_scores(export: Path, val: Path, interpolation: str | None = None) -> tu
             out = model(x).double()
             loss += torch.nn.functional.cross_entropy(out, y, reduction="sum").item()
             correct, n = correct + (out.argmax(1) == y).sum().item(), n + len(y)
-    return correct / n, loss / n
+    return correct / n, loss / n, model.pretrained_cfg.get("label_names")
 
 
 def walk(work: Path, args) -> dict:
@@ -227,9 +226,10 @@ def main(argv=None) -> int:
         last = [r for r in metrics(work / "run") if "epoch" in r][-1]
         out["epochs"], out["img_per_s"] = last["epoch"], last["img_per_s"]
         try:
-            timm_rows = {"exported": timm_scores(work / "run" / "timm", work / "data" / "val"),
-                         "bicubic": timm_scores(work / "run" / "timm", work / "data" / "val",
-                                                "bicubic")}
+            timm_rows = {name: timm_scores(work / "run" / "timm", work / "data" / "val",
+                                           **change)[:2]
+                         for name, change in (("exported", {}),
+                                              ("bicubic", {"interpolation": "bicubic"}))}
         except ImportError:
             timm_rows = None
         failed = checks(out, timm_rows, args.kill_after)

@@ -270,9 +270,8 @@ def _exported_weights_evaluate_in_timm_as_in_twinstep(run_dir, data: str):
     f32 precision (1e-4 relative); a K-class classifier included."""
     import timm
     import torch
-    from timm.data import create_transform, resolve_data_config
-    from torchvision.datasets import ImageFolder
 
+    from bench.first_hour import timm_scores
     from twinstep import program
     from twinstep.checking.bounds import rel
     from twinstep.training import export
@@ -295,16 +294,9 @@ def _exported_weights_evaluate_in_timm_as_in_twinstep(run_dir, data: str):
     assert len(modes) == 1, modes  # the weights as readable as the rest of RUN_DIR
 
     def evaluated(folder, **change):
-        model = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
-        assert model.pretrained_cfg["label_names"] == ["Dog", "ant", "cat", "zebra"]
-        config = {**resolve_data_config({}, model=model), **change}
-        images = ImageFolder(os.path.join(data, "val"), transform=create_transform(**config))
-        x = torch.stack([image for image, _ in images])
-        y = torch.tensor(images.targets)
-        with torch.no_grad():
-            logits = model(x).double()
-        loss = torch.nn.functional.cross_entropy(logits, y).item()
-        return float((logits.argmax(1) == y).double().mean()), loss
+        top1, loss, labels = timm_scores(folder, os.path.join(data, "val"), **change)
+        assert labels == ["Dog", "ant", "cat", "zebra"]
+        return top1, loss
 
     for folder in (run_dir / "timm", run_dir / "timm_pth"):
         top1, loss = evaluated(folder)
